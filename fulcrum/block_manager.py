@@ -1,0 +1,193 @@
+"""The paged KV cache's bookkeeping: which block holds which request's tokens.
+
+Blocks are numbered 0..num_blocks-1; the tensors live in the model runner. Each request owns
+a block table (a list of block ids). A block has a reference count; with prefix caching a full
+block is also named by a hash chain of its tokens, so a later request with the same prefix
+reuses it. A block whose count drops to zero goes to the tail of a least-recently-used free
+queue but keeps its contents and name until it is taken again (lazy eviction), so a prefix
+can hit even after every request that wrote it has finished.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from fulcrum.request import Request
+
+# A block's name: (hash of the parent block's name, the block's token ids). Using the tuple
+# itself as the dict key makes a lookup compare the tokens, so a hash collision cannot
+# hand a request someone else's cache.
+BlockKey = Tuple[int, Tuple[int, ...]]
+_ROOT_HASH = 0
+
+
+@dataclass
+class ComputedBlocks:
+    """Prefix-cache hits for a request about to be admitted."""
+
+    block_ids: List[int]
+    num_tokens: int
+
+
+NO_HITS = ComputedBlocks([], 0)
+
+
+class BlockManager:
+    """Hands out blocks 1..num_blocks-1; block 0 is the runner's null block, never allocated."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least one block besides the null block")
+        self.num_blocks = num_blocks
+        self.num_usable_blocks = num_blocks - 1
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_key: List[Optional[BlockKey]] = [None] * num_blocks
+        self.free_queue: "OrderedDict[int, None]" = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: Dict[BlockKey, int] = {}
+        self.block_tables: Dict[str, List[int]] = {}
+        self._num_named: Dict[str, int] = {}
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def block_table(self, request_id: str) -> List[int]:
+        return self.block_tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of the request, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return NO_HITS
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = self._block_keys(request, max_blocks)
+        hits: List[int] = []
+        for key in keys:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def _block_keys(self, request: Request, num_blocks: int) -> List[BlockKey]:
+        keys = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(keys), num_blocks):
+            parent = hash(keys[i - 1]) if i else _ROOT_HASH
+            keys.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return keys[:num_blocks]
+
+    # -------------------------------------------------------------- allocation
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed: ComputedBlocks = NO_HITS) -> bool:
+        return self._num_new_blocks(request, num_new_tokens, computed) <= \
+            self.num_free_blocks - self._num_free_among(computed.block_ids)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = NO_HITS) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if they don't fit.
+
+        `computed` are prefix-cache hits for a request being admitted: they are shared, not
+        copied, and the caller advances num_computed_tokens past them.
+        """
+        if not self.can_allocate(request, num_new_tokens, computed):
+            return False
+        num_new = self._num_new_blocks(request, num_new_tokens, computed)
+        table = self.block_tables.setdefault(request.request_id, [])
+        for block_id in computed.block_ids:
+            self._touch(block_id)
+        table.extend(computed.block_ids)
+        table.extend(self._take_free_block() for _ in range(num_new))
+        if self.enable_prefix_caching:
+            total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+            self._name_full_blocks(request, table, total)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release a finished, aborted or preempted request's blocks, tail first.
+
+        Freeing the tail first puts a request's last blocks nearest the front of the LRU
+        queue, so they are evicted before the shared prefix blocks at its head.
+        """
+        table = self.block_tables.pop(request.request_id, [])
+        self._num_named.pop(request.request_id, None)
+        for block_id in reversed(table):
+            self.ref_cnt[block_id] -= 1
+            assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_cnt[block_id] == 0:
+                self.free_queue[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        for block_id in self.free_queue:
+            self.block_key[block_id] = None
+
+    # ---------------------------------------------------------------- internals
+    def _num_new_blocks(self, request: Request, num_new_tokens: int,
+                        computed: ComputedBlocks) -> int:
+        held = len(self.block_tables.get(request.request_id, ())) + len(computed.block_ids)
+        total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        return max(0, self.blocks_needed(total) - held)
+
+    def _num_free_among(self, block_ids: Sequence[int]) -> int:
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
+
+    def _touch(self, block_id: int) -> None:
+        if self.ref_cnt[block_id] == 0:
+            del self.free_queue[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        key = self.block_key[block_id]
+        if key is not None:
+            if self.cached.get(key) == block_id:
+                del self.cached[key]
+            self.block_key[block_id] = None
+        self.ref_cnt[block_id] = 1
+        return block_id
+
+    def _name_full_blocks(self, request: Request, table: List[int], num_tokens: int) -> None:
+        """Register the blocks that will be full of known tokens after this step."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_named.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        keys = self._block_keys(request, num_full)
+        for i in range(start, num_full):
+            block_id = table[i]
+            if self.block_key[block_id] is None:
+                self.block_key[block_id] = keys[i]
+                self.cached.setdefault(keys[i], block_id)
+        self._num_named[request.request_id] = num_full
+
+    # ------------------------------------------------------------------- checks
+    def check_invariants(self, live_request_ids: Sequence[str] = ()) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        counts = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                counts[block_id] += 1
+        assert counts == self.ref_cnt, "reference counts differ from the block tables"
+        free = set(self.free_queue)
+        assert counts[0] == 0 and 0 not in free, "the null block was handed out"
+        for block_id, count in enumerate(counts[1:], start=1):
+            assert (count == 0) == (block_id in free), f"block {block_id} free-queue mismatch"
+        for key, block_id in self.cached.items():
+            assert self.block_key[block_id] == key, f"block {block_id} cached under a stale key"
+        stray = set(self.block_tables) - set(live_request_ids)
+        assert not stray, f"blocks held by requests no longer live: {sorted(stray)}"

@@ -1,0 +1,110 @@
+"""Engine configuration: every knob the user can turn, checked once, in one place.
+
+Names and meanings follow vLLM's engine arguments so that a vLLM user feels at home.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+BatchingMode = Literal["continuous", "static"]
+LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
+
+# vLLM's defaults for a server; fulcrum uses the same on every entry point.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# What "auto" long_prefill_token_threshold means in vLLM: 4% of max_model_len.
+AUTO_LONG_PREFILL_FRACTION = 0.04
+
+
+@dataclass
+class EngineConfig:
+    """All engine knobs. `resolve()` fills the derived ones once the model is known.
+
+    max_num_seqs defaults to 256 (vLLM's), lowered to the token budget when that is smaller.
+    """
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    load_format: LoadFormat = "auto"
+    max_model_len: Optional[int] = None
+    # Scheduler.
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    batching_mode: BatchingMode = "continuous"
+    # KV cache.
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "max_num_partial_prefills", "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            positive(name)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 means automatic)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.batching_mode not in ("continuous", "static"):
+            raise ValueError(
+                f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")
+        if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
+            raise ValueError(f"load_format must be one of auto, safetensors, pt, dummy, "
+                             f"got {self.load_format!r}")
+
+    def resolve(self, model_max_len: int) -> "EngineConfig":
+        """Return a copy with max_model_len, the token budget and the prefill cap filled in."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's maximum context "
+                f"length ({model_max_len})")
+        budget = self.max_num_batched_tokens
+        chunked = self.enable_chunked_prefill and self.batching_mode == "continuous"
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not chunked:
+                budget = max(budget, max_model_len)
+        elif not chunked and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_model_len}): without chunked prefill the longest prompt could never be "
+                "scheduled. Raise max_num_batched_tokens or enable chunked prefill.")
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            # Every running request needs one token of budget per decode step.
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, budget)
+        elif max_num_seqs > budget:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}): "
+                "each running request needs one token of the step budget to decode")
+        threshold = self.long_prefill_token_threshold
+        if threshold == 0 and self.max_num_partial_prefills > 1:
+            threshold = max(1, int(max_model_len * AUTO_LONG_PREFILL_FRACTION))
+        return dataclasses.replace(
+            self, max_model_len=max_model_len, max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold)

@@ -1,0 +1,75 @@
+"""The built-in default model: needs no download, so `LLM()` and the demo work anywhere.
+
+It is a Llama with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN
+1536, tied embeddings, bfloat16) and random weights (`load_format="dummy"`, seeded), paired
+with a byte-level tokenizer built here (256 byte tokens plus ChatML specials). Its text is
+noise; its cost per token is that of the real 135M model, which is what the demo and the
+benchmarks need. The folder (config and tokenizer, no weights) is written once under
+$FULCRUM_CACHE (default ~/.cache/fulcrum).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+DEFAULT_MODEL_NAME = "fulcrum-default-135m"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 320  # 256 bytes + specials, padded to a multiple of 64
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "bos_token_id": 256,
+    "eos_token_id": 258,
+    "torch_dtype": "bfloat16",
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_tokenizer() -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_order = sorted(alphabet, key=lambda ch: ord(ch))
+    vocab = {ch: i for i, ch in enumerate(byte_order)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    reserved = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - 256 - len(SPECIAL_TOKENS))]
+    tokenizer.add_special_tokens(SPECIAL_TOKENS + reserved)
+    return tokenizer
+
+
+def default_model_dir() -> str:
+    """Write the default model's folder if needed and return its path."""
+    root = Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))
+    folder = root / DEFAULT_MODEL_NAME
+    config_file = folder / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()) == CONFIG:
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": CONFIG["max_position_embeddings"]}, indent=2))
+    config_file.write_text(json.dumps(CONFIG, indent=2))
+    return str(folder)

@@ -1,0 +1,95 @@
+"""How many KV blocks fit, and the per-layer tensors that hold them.
+
+On CUDA, `gpu_memory_utilization` is vLLM's: the fraction of the device's memory fulcrum
+may use in all; the KV cache gets what is left of it after the weights and activations.
+On CPU there is no device memory to share, so it means the fraction of the RAM available
+when the engine starts (after the weights are loaded) that the KV cache may take, capped
+at `CPU_KV_CACHE_CAP_BYTES` (4 GiB, as vLLM's CPU backend defaults to) and at what
+`max_num_seqs` requests of `max_model_len` tokens could ever use. `kv_cache_memory_bytes`
+sets the size exactly and overrides both.
+
+Block 0 is the null block: it is zeroed, never handed to a request, and padding slots point
+at it, so attention never reads uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List
+
+import torch
+
+from fulcrum.config import EngineConfig
+from fulcrum.models.layers import DecoderSpec, KVCache
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_CAP_BYTES = 4 << 30
+NULL_BLOCK = 0
+
+
+def bytes_per_block(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Leave room for activations of a full-budget step (a rough, conservative 10%).
+        return int(total * config.gpu_memory_utilization - used - 0.1 * total)
+    budget = int(available_cpu_memory() * config.gpu_memory_utilization)
+    return min(budget, CPU_KV_CACHE_CAP_BYTES)
+
+
+def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """Blocks for the cache, the null block included."""
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        num_blocks = kv_cache_bytes(config, device) // bytes_per_block(
+            spec, config.block_size, dtype)
+        if config.kv_cache_memory_bytes is None:
+            most_ever_used = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+            num_blocks = min(num_blocks, most_ever_used + 1)
+    usable = num_blocks - 1
+    if usable * config.block_size < config.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
+            f"({max(usable, 0)} blocks of {config.block_size}), fewer than max_model_len="
+            f"{config.max_model_len}: one full-length request could never fit. Give the cache "
+            "more memory (kv_cache_memory_bytes / gpu_memory_utilization) or lower max_model_len.")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency at %d tokens per "
+                "request: %.1fx", usable, config.block_size,
+                num_blocks * bytes_per_block(spec, config.block_size, dtype) / 2**20,
+                config.max_model_len, usable * config.block_size / config.max_model_len)
+    return num_blocks
+
+
+def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device) -> List[KVCache]:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = []
+    for _ in range(spec.num_layers):
+        k = torch.empty(shape, dtype=dtype, device=device)
+        v = torch.empty(shape, dtype=dtype, device=device)
+        k[NULL_BLOCK].zero_()
+        v[NULL_BLOCK].zero_()
+        caches.append((k, v))
+    return caches

@@ -1,0 +1,103 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from fulcrum.config import EngineConfig
+from fulcrum.engine import LLMEngine, PromptType
+from fulcrum.outputs import RequestOutput
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.tokenizer import Tokenizer
+
+Messages = List[Dict[str, Any]]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+    `model` is a local Hugging Face folder; None runs the built-in default model (see
+    fulcrum.default_model). Every other keyword is an `EngineConfig` field (vLLM's names).
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True,
+                 priority: Optional[Sequence[int]] = None) -> List[RequestOutput]:
+        """Outputs in the order of `prompts`. Every prompt is checked before any is queued."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        engine = self.llm_engine
+        for prompt in prompt_list:
+            engine.validate_prompt(engine.tokenize_prompt(prompt)[1])
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            engine.add_request(request_id, prompt, params,
+                               priority=priority[i] if priority is not None else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[Messages, Sequence[Messages]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
+                                                 chat_template)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, count: int) -> List[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+        return params
+
+    def _run(self, request_ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
+        engine = self.llm_engine
+        finished: Dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts) -> List[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts

@@ -1,0 +1,114 @@
+"""Build a model from a local Hugging Face folder: config, dtype, weights (or dummy weights)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, Iterator, Tuple
+
+import torch
+
+from fulcrum.attention import AttentionBackend
+from fulcrum.models import model_class
+from fulcrum.models.layers import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def load_hf_config(model_dir: str) -> Dict[str, Any]:
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir!r} does not exist (fulcrum loads models "
+                                "from a local folder; nothing is downloaded)")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model_dir!r} has no config.json")
+    return json.loads(config_file.read_text())
+
+
+def resolve_dtype(dtype: str, hf_config: Dict[str, Any]) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 if it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def _safetensors_files(folder: Path) -> list:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    folder = Path(model_dir)
+    if load_format in ("auto", "safetensors"):
+        files = _safetensors_files(folder)
+        if files:
+            from safetensors import safe_open
+
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            return
+        if load_format == "safetensors" or not list(folder.glob("*.bin")):
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+        raise FileNotFoundError(
+            f"{model_dir!r} has only PyTorch *.bin weights; pass load_format='pt' to load them "
+            "(read with torch.load(weights_only=True))")
+    if load_format == "pt":
+        files = sorted(folder.glob("*.bin"))
+        if not files:
+            raise FileNotFoundError(f"no *.bin weights in {model_dir!r}")
+        for file in files:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        return
+    raise ValueError(f"cannot read weights with load_format={load_format!r}")
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Small random weights (norm scales stay 1) so activations stay finite at any depth."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
+                                                                       generator=generator)
+        param.data.copy_(values)
+
+
+def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
+               device: torch.device, backend: AttentionBackend, load_format: str,
+               seed: int) -> DecoderForCausalLM:
+    cls = model_class(hf_config)
+    spec = cls.spec_from_config(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(spec, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        with torch.no_grad():
+            model.load_weights(iter_weights(model_dir, load_format))
+    model.eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.1fM parameters, %s) on %s", cls.__name__, n_params / 1e6,
+                str(dtype).replace("torch.", ""), device)
+    return model

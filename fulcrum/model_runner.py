@@ -1,0 +1,111 @@
+"""Run one scheduled step: pack the chunks into flat tensors, one forward pass, sample.
+
+Inputs are built with numpy in a handful of vectorised operations (no per-token Python
+loops): flat token ids and positions, the cache slot of every new token, and the
+attention metadata (single-token queries first, then prefill chunks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from fulcrum.attention import AttentionMetadata, PrefillSpan
+from fulcrum.kv_cache import NULL_BLOCK
+from fulcrum.models.layers import DecoderForCausalLM, KVCache
+from fulcrum.sampler import SampledToken, Sampler
+from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_caches: List[KVCache], block_size: int,
+                 device: torch.device, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sliding_window: Optional[int] = model.spec.sliding_window
+        self.device = device
+        self.sampler = Sampler(seed, device)
+        self.last_forward_seconds = 0.0
+
+    def execute(self, output: SchedulerOutput) -> Dict[str, SampledToken]:
+        """Compute the step; return the new token of every chunk that reaches its end."""
+        self.sampler.forget(output.finished_request_ids + output.preempted_request_ids)
+        if output.is_empty:
+            return {}
+        chunks = sorted(output.chunks, key=lambda c: c.num_tokens > 1)
+        input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[logits_rows]) if len(logits_rows) else None
+        self.last_forward_seconds = time.perf_counter() - start
+        rows = [c.sampling for c in chunks if c.sample]
+        if logits is None:
+            return {}
+        sampled = self.sampler(logits, rows)
+        return {row.request_id: token for row, token in zip(rows, sampled)}
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, chunks: List[ScheduledChunk]):
+        bs = self.block_size
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+        starts = np.fromiter((c.start_pos for c in chunks), np.int64, len(chunks))
+        total = int(lens.sum())
+        q_end = np.cumsum(lens)
+        q_start = q_end - lens
+        token_ids = np.fromiter((t for c in chunks for t in c.token_ids), np.int64, total)
+        positions = np.arange(total) + np.repeat(starts - q_start, lens)
+        tables = np.full((len(chunks), max(len(c.block_table) for c in chunks)), NULL_BLOCK,
+                         dtype=np.int64)
+        for i, chunk in enumerate(chunks):
+            tables[i, :len(chunk.block_table)] = chunk.block_table
+        seq = np.repeat(np.arange(len(chunks)), lens)
+        slot_mapping = tables[seq, positions // bs] * bs + positions % bs
+
+        num_decodes = int((lens == 1).sum())
+        decode_slots, decode_mask = self._decode_context(tables[:num_decodes],
+                                                         starts[:num_decodes] + 1)
+        prefills = [self._prefill_span(tables[i], int(starts[i]), int(lens[i]),
+                                       int(q_start[i]))
+                    for i in range(num_decodes, len(chunks))]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping), num_decodes=num_decodes,
+            decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills)
+        sample_rows = np.fromiter((c.sample for c in chunks), bool, len(chunks))
+        logits_rows = self._tensor(q_end[sample_rows] - 1)
+        return self._tensor(token_ids), self._tensor(positions), meta, logits_rows
+
+    def _decode_context(self, tables: np.ndarray, context_lens: np.ndarray):
+        if not len(context_lens):
+            return None, None
+        bs = self.block_size
+        j = np.arange(int(context_lens.max()))
+        valid = j[None, :] < context_lens[:, None]
+        if self.sliding_window:
+            valid &= j[None, :] > context_lens[:, None] - 1 - self.sliding_window
+        slots = np.where(valid, tables[:, j // bs] * bs + j % bs, NULL_BLOCK)
+        mask = None if valid.all() else torch.from_numpy(valid[:, None, None, :]).to(self.device)
+        return self._tensor(slots), mask
+
+    def _prefill_span(self, table: np.ndarray, start: int, length: int,
+                      q_start: int) -> PrefillSpan:
+        context = start + length
+        j = np.arange(context)
+        query_pos = np.arange(start, context)
+        windowed = self.sliding_window is not None and context > self.sliding_window
+        mask = None
+        if start > 0 or windowed:
+            allowed = j[None, :] <= query_pos[:, None]
+            if windowed:
+                allowed &= j[None, :] > query_pos[:, None] - self.sliding_window
+            mask = torch.from_numpy(allowed).to(self.device)
+        slots = None if start == 0 else self._tensor(table[j // self.block_size]
+                                                     * self.block_size + j % self.block_size)
+        return PrefillSpan(q_start, q_start + length, slots, mask)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

@@ -1,0 +1,264 @@
+"""The building blocks shared by every decoder-only architecture fulcrum runs.
+
+A per-architecture file only says how its Hugging Face config maps onto `DecoderSpec`; the
+transformer itself (fused QKV and gate/up projections, rotary embeddings, RMSNorm, paged
+attention) is written once, here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fulcrum.attention import AttentionBackend, AttentionMetadata
+
+KVCache = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape and options of a Llama-family decoder, read from its HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    hidden_act: str = "silu"
+
+
+# ------------------------------------------------------------------- normalisation
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ------------------------------------------------------------------------- rotary
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling (long wavelengths stretched by `factor`)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Optional[Dict[str, Any]]) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        if rope_type == "linear":
+            positions = positions / scaling["factor"]
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+# ------------------------------------------------------------------------ linears
+class MergedLinear(nn.Linear):
+    """One matmul for several projections (q/k/v or gate/up) whose HF weights are separate."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        start = sum(self.output_sizes[:shard])
+        target = getattr(self, param_name).data[start:start + self.output_sizes[shard]]
+        if target.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for shard {shard} of {param_name}: checkpoint "
+                             f"{tuple(tensor.shape)}, model {tuple(target.shape)}")
+        target.copy_(tensor)
+
+
+# HF parameter name part -> (fused module name, shard index).
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = \
+            spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        if spec.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation {spec.hidden_act!r}; supported: silu")
+        self.gate_up_proj = MergedLinear(spec.hidden_size, [spec.intermediate_size] * 2,
+                                         bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, rotary, backend)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
+                                 spec.rope_scaling)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend)
+                                    for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder with its LM head; computes logits only for the rows the caller selects."""
+
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, backend)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: List[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if shard is None:
+                _copy_checked(params[target], tensor, name)
+            else:
+                module = self.get_submodule(target.rsplit(".", 1)[0])
+                module.load_shard(target.rsplit(".", 1)[1], shard, tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if self.spec.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _fused_target(name: str) -> Tuple[str, Optional[int]]:
+    for part, (fused, shard) in STACKED_PARAMS.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                         f"model {tuple(param.shape)}")
+    param.data.copy_(tensor)

@@ -1,0 +1,37 @@
+"""What callers get back, with vLLM's field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+from fulcrum.request import RequestMetrics
+from fulcrum.sampler import Logprob
+
+SampleLogprobs = List[Dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None  # "stop", "length" or "abort"
+    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = field(default=None, repr=False)

@@ -1,0 +1,120 @@
+"""A request's life in the engine: its tokens, how many are computed, and why it ended.
+
+The scheduler reasons about requests only through `num_tokens` and `num_computed_tokens`: a
+decode is a request one token behind, a prefill is one many tokens behind, and a preempted
+request is one whose computed count went back to zero. There is no separate phase field.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+from fulcrum.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.value if self.finished else None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and counters of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: List[int]
+    sampling_params: SamplingParams
+    eos_token_ids: Set[int] = field(default_factory=set)
+    prompt: Optional[str] = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: List[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[object] = None
+        # Hashes of this request's full blocks, filled lazily by the KV cache manager.
+        self.block_hashes: List[int] = []
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        stop_ids = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        self.stop_token_ids = stop_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token behind: the next chunk is (re)computing known tokens."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
+        """The finished status the newest token puts this request in, if any."""
+        num_out = self.num_output_tokens
+        last = self.all_token_ids[-1]
+        if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            self.stop_reason = None if last in self.eos_token_ids and \
+                last not in self.sampling_params.stop_token_ids else last
+            return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,168 @@
+"""Turn a batch of logits into next tokens, one vectorised pass for the whole batch.
+
+Order (as in vLLM): raw logprobs are taken from the model's logits; then repetition,
+frequency and presence penalties; min_tokens masks the stop tokens; greedy rows take the
+argmax; the others are divided by their temperature, filtered by min_p, top_k and top_p, and
+sampled by the exponential race (argmax of p / q, q ~ Exp(1)). A seeded request draws its q
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from fulcrum.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request in the batch."""
+
+    request_id: str
+    params: SamplingParams
+    all_token_ids: List[int]
+    num_prompt_tokens: int
+    stop_token_ids: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # token id -> Logprob for the sampled token and the top `logprobs` alternatives.
+    logprobs: Optional[Dict[int, Logprob]] = None
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: Dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: List[str]) -> None:
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, rows: List[SamplingRow]) -> List[SampledToken]:
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._mask_stops_before_min_tokens(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return [SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
+                for i, (t, r) in enumerate(zip(token_list, rows))]
+
+    # -------------------------------------------------------------- penalties
+    def _apply_penalties(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        penalised = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        if not penalised:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in penalised:
+            row, params = rows[i], rows[i].params
+            output = torch.tensor(row.all_token_ids[row.num_prompt_tokens:], dtype=torch.long,
+                                  device=logits.device)
+            counts = torch.zeros(vocab, device=logits.device).index_add_(
+                0, output, torch.ones(len(output), device=logits.device))
+            if params.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.tensor(row.all_token_ids[:row.num_prompt_tokens],
+                                      dtype=torch.long, device=logits.device)
+                seen[prompt] = True
+                value = logits[i]
+                logits[i] = torch.where(seen, torch.where(value > 0,
+                                                          value / params.repetition_penalty,
+                                                          value * params.repetition_penalty),
+                                        value)
+            logits[i] -= params.frequency_penalty * counts
+            logits[i] -= params.presence_penalty * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _mask_stops_before_min_tokens(logits: torch.Tensor,
+                                      rows: List[SamplingRow]) -> torch.Tensor:
+        masked = False
+        for i, row in enumerate(rows):
+            num_out = len(row.all_token_ids) - row.num_prompt_tokens
+            if num_out < row.params.min_tokens and row.stop_token_ids:
+                if not masked:
+                    logits, masked = logits.clone(), True
+                logits[i, row.stop_token_ids] = float("-inf")
+        return logits
+
+    # --------------------------------------------------------------- sampling
+    def _sample(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            probs = logits.softmax(dim=-1)
+            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * \
+                probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                q[i].exponential_(generator=self._generator_for(row))
+        return probs.div(q).argmax(dim=-1)
+
+    def _generator_for(self, row: SamplingRow) -> torch.Generator:
+        generator = self._request_generators.get(row.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(row.params.seed)
+            self._request_generators[row.request_id] = generator
+        return generator
+
+    @staticmethod
+    def _logprobs(raw: Optional[torch.Tensor], row: int, token: int,
+                  num_top: Optional[int]) -> Optional[Dict[int, Logprob]]:
+        if num_top is None or raw is None:
+            return None
+        values = raw[row]
+        chosen = values[token].item()
+        rank = int((values > chosen).sum().item()) + 1
+        result = {token: Logprob(chosen, rank)}
+        if num_top:
+            top_values, top_ids = values.topk(num_top)
+            for r, (v, t) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
+                result.setdefault(t, Logprob(v, r))
+        return result
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: List[int], top_p: List[float]) -> torch.Tensor:
+    """Mask all but each row's top_k tokens and its smallest nucleus of mass top_p."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    remove = ranks >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    remove |= mass_before >= p
+    remove[:, 0] = False  # always keep the most likely token
+    return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))

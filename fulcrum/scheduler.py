@@ -1,0 +1,317 @@
+"""Which tokens of which requests run in the next forward pass.
+
+One step has one token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running decodes are served first, one token each; what is left goes to
+prefill chunks of partially prefilled and waiting requests, in policy order. A request that
+cannot get KV blocks makes the policy's worst running request give all of its blocks back
+(preemption by recompute). The scheduler is plain Python over request state: it never
+touches tensors, and the KV cache is an opaque `BlockManager` handle to it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Set
+
+from fulcrum.block_manager import NO_HITS, BlockManager, ComputedBlocks
+from fulcrum.config import EngineConfig
+from fulcrum.request import Request, RequestStatus
+from fulcrum.sampler import SampledToken, SamplingRow
+from fulcrum.scheduling_policy import make_policy
+
+
+@dataclass
+class ScheduledChunk:
+    """A contiguous run of one request's tokens to compute this step."""
+
+    request_id: str
+    token_ids: List[int]
+    start_pos: int
+    block_table: List[int]
+    # Set when the chunk reaches the request's newest token, so a new one is sampled.
+    sampling: Optional[SamplingRow]
+
+    @property
+    def sample(self) -> bool:
+        return self.sampling is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: List[ScheduledChunk]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted_request_ids: List[str]
+    # Requests that ended since the last step, so the runner can drop their per-request state.
+    finished_request_ids: List[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    num_preemptions_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass
+class _StepPlan:
+    budget: int
+    tokens: Dict[Request, int] = field(default_factory=dict)
+    preempted: List[Request] = field(default_factory=list)
+    partial: Set[Request] = field(default_factory=set)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.tokens[request] = num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        self.budget += self.tokens.pop(request, 0)
+        self.partial.discard(request)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.kv = block_manager
+        self.policy = make_policy(config.scheduling_policy)
+        self.static = config.batching_mode == "static"
+        self.chunked_prefill = config.enable_chunked_prefill and not self.static
+        self.requests: Dict[str, Request] = {}
+        self.waiting: List[Request] = []
+        self.running: List[Request] = []
+        self._finished_ids: List[str] = []
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> List[Request]:
+        """End requests (abort, stop string); unknown or already finished ids are ignored."""
+        done = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+                done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        may_admit = not self.static or not self.running
+        self._schedule_decodes(plan)
+        self._schedule_prefills(plan, may_admit and not plan.preempted)
+        return self._build_output(plan)
+
+    def _schedule_decodes(self, plan: _StepPlan) -> None:
+        for request in self._in_order(self.running):
+            if request.in_prefill or request.status is not RequestStatus.RUNNING:
+                continue
+            if plan.budget < 1:
+                break
+            if self._allocate(request, 1, plan, NO_HITS, self._always):
+                plan.add(request, 1)
+
+    def _schedule_prefills(self, plan: _StepPlan, may_admit: bool) -> None:
+        plan.partial = {r for r in self.running if r.in_prefill}
+        candidates = [r for r in self.running if r.in_prefill]
+        if may_admit:
+            candidates += self.waiting
+        admitting = may_admit
+        for request in self._in_order(candidates):
+            if plan.budget < 1:
+                break
+            if request in plan.preempted:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._continue_prefill(request, plan)
+            elif admitting:
+                admitting = self._admit(request, plan)
+
+    def _continue_prefill(self, request: Request, plan: _StepPlan) -> None:
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = self._chunk_size(remaining, plan.budget)
+        if self._allocate(request, num_new, plan, NO_HITS, self._always):
+            plan.add(request, num_new)
+            if num_new == remaining:
+                plan.partial.discard(request)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Try to start a waiting request; False means stop admitting for this step."""
+        may_evict = lambda victim: self.policy.may_preempt_for(request, victim)  # noqa: E731
+        if len(self.running) >= self.config.max_num_seqs:
+            victim = self._victim()
+            if victim is None or not may_evict(victim):
+                return False
+            self._preempt(victim, plan)
+        computed = self.kv.get_computed_blocks(request)
+        remaining = request.num_tokens - computed.num_tokens
+        num_new = self._chunk_size(remaining, plan.budget)
+        if num_new < remaining:
+            if not self.chunked_prefill:
+                return False  # the whole prompt must wait for a step with room for it
+            if len(plan.partial) >= self.config.max_num_partial_prefills:
+                return True  # skip it; a shorter prompt behind it may still complete
+        if not self._allocate(request, num_new, plan, computed, may_evict):
+            return False
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = computed.num_tokens
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+            request.metrics.num_cached_tokens = computed.num_tokens
+        if self.kv.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += computed.num_tokens
+        plan.add(request, num_new)
+        if num_new < remaining:
+            plan.partial.add(request)
+        return True
+
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        num_new = remaining
+        threshold = self.config.long_prefill_token_threshold
+        if self.chunked_prefill and threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    # -------------------------------------------------------------- preemption
+    @staticmethod
+    def _always(victim: Request) -> bool:
+        return True
+
+    def _allocate(self, request: Request, num_new: int, plan: _StepPlan,
+                  computed: ComputedBlocks, may_evict: Callable[[Request], bool]) -> bool:
+        """Allocate blocks, preempting the worst running requests while that is allowed."""
+        while not self.kv.allocate_slots(request, num_new, computed):
+            victim = self._victim()
+            if victim is None or not may_evict(victim):
+                return False
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _victim(self) -> Optional[Request]:
+        return max(self.running, key=self.policy.key, default=None)
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        plan.drop(request)
+        plan.preempted.append(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._enqueue(request)
+
+    # ------------------------------------------------------------------ output
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        chunks = []
+        num_decode = 0
+        for request, num_new in plan.tokens.items():
+            start = request.num_computed_tokens
+            if request.num_tokens - start == 1:
+                num_decode += 1
+            chunks.append(ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:start + num_new],
+                start_pos=start,
+                block_table=self.kv.block_table(request.request_id),
+                sampling=self._sampling_row(request) if start + num_new == request.num_tokens
+                else None,
+            ))
+        finished, self._finished_ids = self._finished_ids, []
+        total = sum(plan.tokens.values())
+        return SchedulerOutput(chunks, total - num_decode, num_decode,
+                               [r.request_id for r in plan.preempted], finished)
+
+    @staticmethod
+    def _sampling_row(request: Request) -> SamplingRow:
+        return SamplingRow(request.request_id, request.sampling_params, request.all_token_ids,
+                           request.num_prompt_tokens, sorted(request.stop_token_ids))
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: Dict[str, SampledToken]) -> List[Request]:
+        """Advance computed counts, append sampled tokens; return requests that just ended."""
+        now = time.monotonic()
+        finished = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            request.append_token(sampled[chunk.request_id].token_id)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    # ----------------------------------------------------------------- helpers
+    def _in_order(self, requests: List[Request]) -> List[Request]:
+        return sorted(requests, key=self.policy.key)
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [self.policy.key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.policy.key(request)), request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_waiting=sum(r.status is RequestStatus.PREEMPTED for r in self.waiting),
+            num_preemptions_total=self.num_preemptions_total,
+            kv_blocks_used=self.kv.num_usable_blocks - self.kv.num_free_blocks,
+            kv_blocks_total=self.kv.num_usable_blocks,
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )

@@ -1,0 +1,35 @@
+"""Per-step statistics: what each step computed and how the engine's queues and cache stood."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict
+
+
+@dataclass
+class StepStats:
+    step: int
+    start_time: float  # time.monotonic()
+    wall_seconds: float  # the whole step: schedule, prepare, forward, sample, detokenise
+    forward_seconds: float  # the model's forward pass and logits alone
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # preemptions in this step
+    num_preemptions_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # cumulative prompt tokens looked up
+    prefix_cache_hits: int  # cumulative prompt tokens found cached
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of the step's wall time spent outside the forward pass."""
+        if self.wall_seconds <= 0:
+            return 0.0
+        return 1.0 - self.forward_seconds / self.wall_seconds
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)

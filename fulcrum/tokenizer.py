@@ -1,0 +1,89 @@
+"""The model's tokenizer (HF `tokenizer.json` through the `tokenizers` library) and chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_content(value: Any) -> Optional[str]:
+    """Special tokens in tokenizer_config.json are plain strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {folder}: fulcrum needs a fast (tokenizers) tokenizer")
+        self._tok = _HFTokenizer.from_file(str(file))
+        config = _read_json(folder / "tokenizer_config.json")
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.chat_template = self._find_chat_template(folder, config)
+        self.eos_token_ids = self._find_eos_ids(folder)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def _find_chat_template(folder: Path, config: Dict[str, Any]) -> Optional[str]:
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            return template_file.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template
+
+    def _find_eos_ids(self, folder: Path) -> Set[int]:
+        ids: Set[int] = set()
+        for source in ("generation_config.json", "config.json"):
+            value = _read_json(folder / source).get("eos_token_id")
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+                break
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            ids.add(self._tok.token_to_id(self.eos_token))
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: List[Dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, **kwargs: Any) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass chat_template= or use "
+                             "generate() with a plain prompt")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda obj, indent=None, **kw: json.dumps(
+            obj, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = _raise_exception
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
