@@ -47,14 +47,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def _byte_tokenizer() -> Tokenizer:
+def byte_level_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """256 byte tokens, the ChatML specials, and reserved tokens up to `vocab_size`."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_order = sorted(alphabet, key=lambda ch: ord(ch))
     vocab = {ch: i for i, ch in enumerate(byte_order)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    reserved = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - 256 - len(SPECIAL_TOKENS))]
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - len(SPECIAL_TOKENS))]
     tokenizer.add_special_tokens(SPECIAL_TOKENS + reserved)
     return tokenizer
 
@@ -67,9 +68,14 @@ def default_model_dir() -> str:
     if config_file.is_file() and json.loads(config_file.read_text()) == CONFIG:
         return str(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _byte_tokenizer().save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": CONFIG["max_position_embeddings"]}, indent=2))
+    write_byte_level_tokenizer(folder, VOCAB_SIZE, CONFIG["max_position_embeddings"])
     config_file.write_text(json.dumps(CONFIG, indent=2))
     return str(folder)
+
+
+def write_byte_level_tokenizer(folder: Path, vocab_size: int, max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json (EOS <|im_end|>, ChatML template) in `folder`."""
+    byte_level_tokenizer(vocab_size).save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": max_length}, indent=2))

@@ -1,0 +1,70 @@
+"""Command-line flags for every EngineConfig knob, shared by `serve`, `generate` and `bench`.
+
+Flags are derived from the dataclass fields, so a knob added to EngineConfig is a flag at
+once, with vLLM's spelling (`--max-num-seqs`, `--enable-prefix-caching/--no-enable-...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Dict
+
+from fulcrum.config import EngineConfig
+
+_HELP = {
+    "tokenizer": "tokenizer folder (default: the model folder)",
+    "dtype": "auto (the checkpoint's), float32, bfloat16 or float16",
+    "device": "auto, cpu or cuda",
+    "seed": "seed for dummy weights and for requests without their own seed",
+    "load_format": "auto, safetensors, pt (torch.load with weights_only=True) or dummy "
+                   "(random weights from config.json alone)",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's)",
+    "max_num_seqs": "most requests running at once (default 256, at most the token budget)",
+    "max_num_batched_tokens": "token budget of one step (default 2048)",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
+    "long_prefill_token_threshold": "most tokens of one prompt in one step (0: 4%% of "
+                                    "max_model_len when max_num_partial_prefills > 1, else none)",
+    "max_num_partial_prefills": "most prompts part-way through prefill at once",
+    "scheduling_policy": "fcfs or priority (lower value first; may preempt)",
+    "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "gpu_memory_utilization": "CUDA: fraction of device memory; CPU: fraction of available "
+                              "RAM for the KV cache (capped at 4 GiB)",
+    "kv_cache_memory_bytes": "exact KV-cache size in bytes (overrides the above)",
+    "num_gpu_blocks_override": "exact number of KV blocks",
+}
+
+
+def _base_type(annotation: Any) -> type:
+    hint = typing.get_type_hints(EngineConfig)[annotation]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return str
+    if args:
+        inner = args[0]
+        return str if typing.get_origin(inner) is typing.Literal else inner
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple = ("model",)) -> None:
+    group = parser.add_argument_group("engine")
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = _base_type(f.name)
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=_HELP.get(f.name))
+        else:
+            group.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
+
+
+def engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}

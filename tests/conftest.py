@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random-weight models of each supported architecture, built with HF
+transformers (the reference implementation) and saved as local model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fulcrum.default_model import write_byte_level_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES_DIR = REPO.parent / "shared" / "models" / "stories260K"
+VOCAB = 320
+MAX_POS = 512
+EOS_ID = 258  # <|im_end|> in the byte-level tokenizer
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
+               initializer_range=0.2, eos_token_id=EOS_ID, bos_token_id=256)
+
+
+def _hf_config(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
+    if arch == "mistral":
+        return tf.MistralConfig(**_COMMON, head_dim=16, sliding_window=48,
+                                tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def build_tiny_model(arch: str, folder: Path) -> Path:
+    """Save a seeded random HF model of `arch` plus a byte-level tokenizer into `folder`."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_level_tokenizer(folder, VOCAB, MAX_POS)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict:
+    """{arch: folder} for every supported architecture."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> Path:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not STORIES_DIR.is_dir():
+        pytest.skip(f"{STORIES_DIR} not present (it ships in ../shared)")
+    return STORIES_DIR
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list, max_new_tokens: int) -> list:
+    """HF transformers' greedy continuation of one prompt (token ids only, EOS ignored)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # like ignore_eos: run to max_new_tokens
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
