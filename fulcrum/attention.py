@@ -7,9 +7,10 @@ contexts, and each prefill chunk attends causally to its own tokens and to every
 request already has cached (earlier chunks, prefix-cache hits).
 
 The metadata is built once per step by the model runner and handed explicitly to every
-layer: there is no global attention context. A backend for another device (flash-attn,
-flashinfer style kernels on CUDA) implements `AttentionBackend.forward` over the same
-metadata.
+layer: there is no global attention context. On CPU, decodes go through a native kernel
+(fulcrum/kernels) that reads the paged cache in place; the torch backend is the portable
+fallback. A backend for another device (flash-attn, flashinfer style kernels on CUDA)
+implements `AttentionBackend.forward` over the same metadata.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from fulcrum import kernels
 
 
 @dataclass
@@ -39,12 +42,18 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new key/value is written to
     num_decodes: int
-    decode_slots: Optional[torch.Tensor]  # [num_decodes, max_context] slots, padded
-    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_context] True = attend
+    decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks], null-padded
+    decode_context_lens: Optional[torch.Tensor]  # [num_decodes] tokens to attend to
+    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: List[PrefillSpan]
+    sliding_window: int = 0  # 0: none
 
 
 class AttentionBackend(ABC):
+    # Whether decodes read padding slots and mask them out: then the runner builds
+    # decode_mask and the cache is zeroed, since masked garbage could still be NaN.
+    reads_padding = True
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -53,7 +62,7 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Portable backend on torch's scaled_dot_product_attention; the CPU default."""
+    """Portable backend on torch's scaled_dot_product_attention (any device, any dtype)."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -63,12 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            nd = meta.num_decodes
-            keys = k_flat[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_flat[meta.decode_slots].transpose(1, 2)
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
-                enable_gqa=True).squeeze(2)
+            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta,
+                                                 scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_end)
             if span.context_slots is None:
@@ -80,3 +85,35 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
                 enable_gqa=True).transpose(0, 1)
         return out
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Single-token queries: gather whole context blocks, one batched SDPA call."""
+        tables = meta.decode_block_tables
+        num_seqs, num_blocks = tables.shape
+        shape = (num_seqs, -1, k_cache.shape[2], k_cache.shape[3])
+        keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
+            enable_gqa=True).squeeze(2)
+
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """Decodes through fulcrum's native paged-attention kernel, which reads keys and values
+    in place from the block tables; prefill chunks as in the torch backend."""
+
+    reads_padding = False
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, scale,
+                                              meta.sliding_window)
+
+
+def make_backend(device: torch.device, dtype: torch.dtype, group_size: int, head_dim: int,
+                 block_size: int) -> AttentionBackend:
+    """The fastest backend that handles this device, dtype and shape."""
+    if device.type == "cpu" and kernels.supports(dtype, group_size, head_dim, block_size):
+        return CpuPagedAttentionBackend()
+    return TorchAttentionBackend()

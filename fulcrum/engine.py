@@ -15,12 +15,13 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from fulcrum.attention import TorchAttentionBackend
+from fulcrum.attention import make_backend
 from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
 from fulcrum.model_loader import load_hf_config, load_model, resolve_dtype
+from fulcrum.models import model_class
 from fulcrum.model_runner import ModelRunner
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
@@ -55,17 +56,20 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.tokenizer or model_dir)
-        model = load_model(model_dir, hf_config, self.dtype, self.device,
-                           TorchAttentionBackend(), load_format, config.seed)
+        spec = model_class(hf_config).spec_from_config(hf_config)
+        backend = make_backend(self.device, self.dtype, spec.num_heads // spec.num_kv_heads,
+                               spec.head_dim, self.config.block_size)
+        model = load_model(model_dir, hf_config, self.dtype, self.device, backend, load_format,
+                           config.seed)
         self.vocab_size = model.spec.vocab_size
         num_blocks = num_kv_blocks(self.config, model.spec, self.dtype, self.device)
         caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size, self.dtype,
-                                    self.device)
+                                    self.device, zeroed=backend.reads_padding)
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, caches, self.config.block_size, self.device,
-                                  config.seed)
+                                  config.seed, backend.reads_padding)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats: Deque[StepStats] = collections.deque(maxlen=STATS_HISTORY)
         self._aborted_children: List[str] = []

@@ -8,8 +8,8 @@ at `CPU_KV_CACHE_CAP_BYTES` (4 GiB, as vLLM's CPU backend defaults to) and at wh
 `max_num_seqs` requests of `max_model_len` tokens could ever use. `kv_cache_memory_bytes`
 sets the size exactly and overrides both.
 
-Block 0 is the null block: it is zeroed, never handed to a request, and padding slots point
-at it, so attention never reads uninitialised memory.
+Block 0 is the null block: it is zeroed, never handed to a request, and padded block-table
+entries point at it.
 """
 
 from __future__ import annotations
@@ -83,12 +83,16 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
 
 
 def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> List[KVCache]:
+                       dtype: torch.dtype, device: torch.device,
+                       zeroed: bool) -> List[KVCache]:
+    """Per-layer (key, value) tensors. Unzeroed memory is only committed as blocks get used,
+    which is right for a backend that never reads a slot before writing it."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    make = torch.zeros if zeroed else torch.empty
     caches = []
     for _ in range(spec.num_layers):
-        k = torch.empty(shape, dtype=dtype, device=device)
-        v = torch.empty(shape, dtype=dtype, device=device)
+        k = make(shape, dtype=dtype, device=device)
+        v = make(shape, dtype=dtype, device=device)
         k[NULL_BLOCK].zero_()
         v[NULL_BLOCK].zero_()
         caches.append((k, v))

@@ -22,8 +22,9 @@ from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: List[KVCache], block_size: int,
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, reads_padding: bool) -> None:
         self.model = model
+        self.reads_padding = reads_padding
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sliding_window: Optional[int] = model.spec.sliding_window
@@ -67,29 +68,33 @@ class ModelRunner:
         slot_mapping = tables[seq, positions // bs] * bs + positions % bs
 
         num_decodes = int((lens == 1).sum())
-        decode_slots, decode_mask = self._decode_context(tables[:num_decodes],
-                                                         starts[:num_decodes] + 1)
+        decode_tables, decode_lens, decode_mask = self._decode_context(
+            tables[:num_decodes], starts[:num_decodes] + 1)
         prefills = [self._prefill_span(tables[i], int(starts[i]), int(lens[i]),
                                        int(q_start[i]))
                     for i in range(num_decodes, len(chunks))]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), num_decodes=num_decodes,
-            decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills)
+            decode_block_tables=decode_tables, decode_context_lens=decode_lens,
+            decode_mask=decode_mask, prefills=prefills, sliding_window=self.sliding_window or 0)
         sample_rows = np.fromiter((c.sample for c in chunks), bool, len(chunks))
         logits_rows = self._tensor(q_end[sample_rows] - 1)
         return self._tensor(token_ids), self._tensor(positions), meta, logits_rows
 
     def _decode_context(self, tables: np.ndarray, context_lens: np.ndarray):
+        """Block tables, context lengths and (for the torch backend) the key mask."""
         if not len(context_lens):
-            return None, None
-        bs = self.block_size
-        j = np.arange(int(context_lens.max()))
-        valid = j[None, :] < context_lens[:, None]
-        if self.sliding_window:
-            valid &= j[None, :] > context_lens[:, None] - 1 - self.sliding_window
-        slots = np.where(valid, tables[:, j // bs] * bs + j % bs, NULL_BLOCK)
-        mask = None if valid.all() else torch.from_numpy(valid[:, None, None, :]).to(self.device)
-        return self._tensor(slots), mask
+            return None, None, None
+        used_blocks = -(-int(context_lens.max()) // self.block_size)
+        tables = tables[:, :used_blocks]
+        mask = None
+        if self.reads_padding:
+            j = np.arange(used_blocks * self.block_size)
+            valid = j[None, :] < context_lens[:, None]
+            if self.sliding_window:
+                valid &= j[None, :] > context_lens[:, None] - 1 - self.sliding_window
+            mask = torch.from_numpy(valid[:, None, None, :]).to(self.device)
+        return self._tensor(tables), self._tensor(context_lens), mask
 
     def _prefill_span(self, table: np.ndarray, start: int, length: int,
                       q_start: int) -> PrefillSpan:

@@ -95,11 +95,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
+        """cos/sin rows for this step's positions, looked up once and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+RopeTable = Tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,8 +139,7 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = \
             spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -144,11 +150,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: RopeTable, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -156,7 +161,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -176,33 +181,33 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, rotary, backend)
+        self.self_attn = Attention(spec, backend)
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
-                                 spec.rope_scaling)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
+                                      spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
 

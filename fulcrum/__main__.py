@@ -1,0 +1,5 @@
+import sys
+
+from fulcrum.cli import main
+
+sys.exit(main())

@@ -1,0 +1,225 @@
+"""`fulcrum bench serve | throughput | sweep`: argument wiring only; the work is in the
+sibling modules. Without a model folder, throughput and sweep use a real model's shape with
+dummy weights (see shapes.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from fulcrum.bench.arrivals import add_arrival_args, build_schedule
+from fulcrum.bench.datasets import add_dataset_args, build_requests
+from fulcrum.bench.metrics import SLO_KEYS, format_report, report_by_group
+from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
+from fulcrum.engine_args import add_engine_args, engine_kwargs
+
+RESULTS_DIR = "benchmarks/results"
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark a server, the engine or its settings",
+                                  description="Measure serving latency, offline throughput, "
+                                              "or the trade-offs of scheduler settings.")
+    commands = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    _register_serve(commands)
+    _register_throughput(commands)
+    _register_sweep(commands)
+
+
+def _register_serve(commands) -> None:
+    parser = commands.add_parser(
+        "serve", help="load-test an OpenAI-compatible /v1/completions server",
+        description="Stream requests to a running server (fulcrum, vLLM, llama.cpp), each sent "
+                    "at its arrival time, and report TTFT, TPOT, ITL, E2E latency, throughput "
+                    "and goodput with vLLM's definitions.")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", help="model name for the requests (default: the first "
+                                        "that /v1/models lists)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight; later arrivals wait for a slot")
+    parser.add_argument("--slo", nargs="*", default=[], metavar="KEY=MS",
+                        help=f"goodput SLOs, keys {', '.join(SLO_KEYS)}")
+    parser.add_argument("--save-result", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_dataset_args(parser)
+    add_arrival_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local Hugging Face model folder (default: --shape, dummy weights)")
+    parser.add_argument("--shape", choices=list(SHAPES), default=DEFAULT_SHAPE,
+                        help="model shape to use with dummy weights when no folder is given")
+    add_dataset_args(parser)
+    add_engine_args(parser, skip=("model", "seed"))  # --seed seeds the weights and prompts
+
+
+def _register_throughput(commands) -> None:
+    parser = commands.add_parser(
+        "throughput", help="offline throughput of LLM.generate over a dataset",
+        description="Generate for the whole dataset at once in-process and report tokens/s "
+                    "and requests/s (model loading excluded).")
+    _add_model_args(parser)
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run HF transformers generate in static batches on the same "
+                             "prompts and write JSON + markdown to --results-dir")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--results-dir", default=RESULTS_DIR)
+    parser.add_argument("--save-result", metavar="FILE", help="write fulcrum's result as JSON")
+    parser.set_defaults(func=run_throughput)
+
+
+def _register_sweep(commands) -> None:
+    from fulcrum.bench.sweep import DEFAULT_GRID
+
+    parser = commands.add_parser(
+        "sweep", help="one scenario over a grid of scheduler settings: trade-off plot + table",
+        description="Replay one serving scenario in-process under each setting and draw total "
+                    "throughput against short-request TTFT p99 and TPOT p99, Pareto front "
+                    "marked. Writes sweep.png, sweep.md and sweep.json.")
+    _add_model_args(parser)
+    add_arrival_args(parser)
+    parser.add_argument("--grid", action="append", metavar="'FIELD=V1,V2 ...'",
+                        help="settings: each --grid is a Cartesian product, several are joined "
+                             f"(default: {' | '.join(DEFAULT_GRID)})")
+    parser.add_argument("--output-dir", default=f"{RESULTS_DIR}/sweep")
+    parser.set_defaults(func=run_sweep, dataset="mixed", num_prompts=32, input_len=64,
+                        output_len=32, request_rate=4.0)
+
+
+def parse_slo(items: List[str]) -> Dict[str, float]:
+    slo = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in SLO_KEYS or not value:
+            raise ValueError(f"bad --slo {item!r}: use KEY=MS with KEY in {', '.join(SLO_KEYS)}")
+        slo[key] = float(value)
+    return slo
+
+
+def _write_json(path: str, content: Dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from fulcrum.bench.serve import make_client, run_load, served_model
+
+    slo = parse_slo(args.slo)
+    timed = build_schedule(build_requests(args), args)
+
+    async def main() -> Tuple[str, list, float]:
+        async with make_client() as client:
+            model = args.model or await served_model(client, args.base_url)
+            url = args.base_url.rstrip("/") + args.endpoint
+            timelines, duration = await run_load(client, url, model, timed,
+                                                 args.max_concurrency, not args.disable_tqdm)
+            return model, timelines, duration
+
+    model, timelines, duration = asyncio.run(main())
+    reports = report_by_group(timelines, duration, slo)
+    print(format_report(reports))
+    errors = [t.error for t in timelines if not t.completed]
+    if errors:
+        print(f"{len(errors)} requests failed; first error: {errors[0]}")
+    if args.save_result:
+        _write_json(args.save_result, {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "base_url": args.base_url, "model": model, "args": _run_args(args),
+            "reports": reports, "errors": errors})
+    return 1 if errors else 0
+
+
+def _run_args(args: argparse.Namespace) -> Dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _model(args: argparse.Namespace) -> Tuple[str, str, Dict[str, Any]]:
+    """(folder, display name, engine kwargs): a real folder, or a shape with dummy weights."""
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
+    if args.model:
+        return args.model, Path(args.model).name, kwargs
+    return shape_dir(args.shape), args.shape, {**kwargs, "load_format": "dummy"}
+
+
+def _token_counter(model_dir: str):
+    from fulcrum.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    return lambda text: len(tokenizer.encode(text))
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from fulcrum.bench.throughput import measure_fulcrum
+
+    model_dir, name, kwargs = _model(args)
+    requests = build_requests(args, _token_counter(model_dir))
+    if args.compare_hf:
+        return _compare_hf(args, model_dir, name, kwargs, requests)
+    result = measure_fulcrum(model_dir, kwargs, requests, show_progress=True)
+    print(result.summary("fulcrum"))
+    if args.save_result:
+        _write_json(args.save_result, {"model": name, "args": _run_args(args),
+                                       "result": result.as_dict()})
+    return 0
+
+
+def _compare_hf(args: argparse.Namespace, model_dir: str, name: str, kwargs: Dict[str, Any],
+                requests: list) -> int:
+    import torch
+
+    from fulcrum.bench.hf_baseline import measure_hf
+    from fulcrum.bench.throughput import measure_fulcrum, run_isolated, write_comparison
+    from fulcrum.engine import resolve_device
+    from fulcrum.model_loader import load_hf_config, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, load_hf_config(model_dir))
+    device = str(resolve_device(args.device))
+    fulcrum = run_isolated(measure_fulcrum, model_dir, kwargs, requests)
+    print(fulcrum.summary("fulcrum"))
+    hf = run_isolated(measure_hf, model_dir, dtype, device, requests, args.hf_batch_size,
+                      kwargs["load_format"] == "dummy")
+    print(hf.summary("HF transformers"))
+    setup = {"model": name, "weights": "dummy" if kwargs["load_format"] == "dummy" else "real",
+             "dtype": str(dtype).removeprefix("torch."), "device": device,
+             "requests": len(requests), "input_len": args.input_len,
+             "output_len": args.output_len, "hf_batch_size": args.hf_batch_size,
+             "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
+             "cpus": os.cpu_count(), "date": datetime.date.today().isoformat()}
+    stem = Path(args.results_dir) / f"throughput_vs_hf_{name}"
+    json_path, md_path = write_comparison(fulcrum, hf, setup, stem)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from fulcrum.bench.sweep import DEFAULT_GRID, mark_fronts, parse_grid, run_point, table, \
+        write_outputs
+
+    model_dir, name, kwargs = _model(args)
+    timed = build_schedule(build_requests(args, _token_counter(model_dir)), args)
+    settings = parse_grid(args.grid or DEFAULT_GRID)
+    results = []
+    for number, setting in enumerate(settings, 1):
+        result = run_point(model_dir, kwargs, setting, timed)
+        print(f"[{number}/{len(settings)}] {result['label']}: "
+              f"{result['total_token_throughput']:.1f} tok/s, "
+              f"TTFT p99 {result['ttft_p99_ms']:.1f} ms", flush=True)
+        results.append(result)
+    mark_fronts(results)
+    title = (f"{name}, {args.dataset} dataset, {len(timed)} requests at "
+             f"{args.request_rate} req/s")
+    paths = write_outputs(results, Path(args.output_dir), title)
+    print(table(results))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0

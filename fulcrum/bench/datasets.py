@@ -1,0 +1,114 @@
+"""Benchmark prompts: random token ids, a long/short mix, or a JSONL file.
+
+Random prompts are token-id lists with ids below 256: every byte-level vocabulary and every
+real vocabulary has them, so the same prompt has the same length on any server and the
+lengths are exact (no re-tokenisation). Requests carry a group so that the mixed scenario can
+report its short and long requests apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Union
+
+import numpy as np
+
+RANDOM_ID_LIMIT = 256
+SHORT, LONG = "short", "long"
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: Union[str, List[int]]
+    prompt_len: int
+    output_len: int
+    group: str = "all"
+
+    def engine_prompt(self) -> Union[str, dict]:
+        """The prompt as `LLM.generate` / `LLMEngine.add_request` take it."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return {"prompt_token_ids": list(self.prompt)}
+
+
+def _lengths(count: int, mean: int, range_ratio: float, rng: np.random.Generator) -> List[int]:
+    """Uniform in [mean * (1 - r), mean * (1 + r)], at least 1 (vLLM's random dataset)."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    low = max(1, int(mean * (1 - range_ratio)))
+    high = max(low, int(mean * (1 + range_ratio)))
+    return rng.integers(low, high + 1, size=count).tolist()
+
+
+def random_requests(count: int, input_len: int, output_len: int, range_ratio: float,
+                    rng: np.random.Generator, group: str = "all") -> List[SampleRequest]:
+    inputs = _lengths(count, input_len, range_ratio, rng)
+    outputs = _lengths(count, output_len, range_ratio, rng)
+    return [SampleRequest(rng.integers(0, RANDOM_ID_LIMIT, size=n).tolist(), n, m, group)
+            for n, m in zip(inputs, outputs)]
+
+
+def mixed_requests(num_short: int, short_input_len: int, num_long: int, long_input_len: int,
+                   output_len: int, range_ratio: float,
+                   rng: np.random.Generator) -> List[SampleRequest]:
+    """A few long prompts among many short ones: the head-of-line blocking scenario."""
+    return (random_requests(num_long, long_input_len, output_len, range_ratio, rng, LONG)
+            + random_requests(num_short, short_input_len, output_len, range_ratio, rng, SHORT))
+
+
+def jsonl_requests(path: str, default_output_len: int,
+                   count_tokens: Optional[Callable[[str], int]] = None) -> List[SampleRequest]:
+    """One JSON object per line: `prompt` (text or token ids), optional `output_len`, `group`.
+
+    Text prompts are measured with `count_tokens` when given; otherwise their length is 0
+    until a server's `usage` reports it.
+    """
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        prompt = item.get("prompt")
+        if isinstance(prompt, str):
+            length = count_tokens(prompt) if count_tokens else 0
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            length = len(prompt)
+        else:
+            raise ValueError(f"{path}:{number}: 'prompt' must be text or a list of token ids")
+        requests.append(SampleRequest(prompt, length, int(item.get("output_len",
+                                                                   default_output_len)),
+                                      item.get("group", "all")))
+    return requests
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset", choices=["random", "mixed", "jsonl"], default="random")
+    group.add_argument("--dataset-path", help="the JSONL file of --dataset jsonl")
+    group.add_argument("--num-prompts", type=int, default=64,
+                       help="requests (the short ones for --dataset mixed)")
+    group.add_argument("--input-len", type=int, default=256,
+                       help="prompt tokens (the short ones for --dataset mixed)")
+    group.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    group.add_argument("--range-ratio", type=float, default=0.0,
+                       help="lengths drawn uniformly within +-ratio of the given ones")
+    group.add_argument("--long-num-prompts", type=int, default=2, help="mixed: long requests")
+    group.add_argument("--long-input-len", type=int, default=2048, help="mixed: long prompt tokens")
+    group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+
+
+def build_requests(args: argparse.Namespace,
+                   count_tokens: Optional[Callable[[str], int]] = None) -> List[SampleRequest]:
+    rng = np.random.default_rng(args.seed)
+    if args.dataset == "random":
+        return random_requests(args.num_prompts, args.input_len, args.output_len,
+                               args.range_ratio, rng)
+    if args.dataset == "mixed":
+        return mixed_requests(args.num_prompts, args.input_len, args.long_num_prompts,
+                              args.long_input_len, args.output_len, args.range_ratio, rng)
+    if not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path")
+    return jsonl_requests(args.dataset_path, args.output_len, count_tokens)

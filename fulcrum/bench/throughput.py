@@ -1,0 +1,105 @@
+"""Offline throughput: `LLM.generate` over a whole dataset at once, as vLLM's
+`benchmark_throughput` measures it (load time excluded), optionally next to HF transformers.
+
+The comparison runs each side in its own spawned process, so each peak RSS
+(`resource.getrusage`) belongs to that side alone and neither warms the other's caches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+from fulcrum.bench.datasets import SampleRequest
+from fulcrum.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    peak_rss_mib: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.elapsed_s
+
+    def as_dict(self) -> Dict[str, float]:
+        return {**asdict(self), "requests_per_s": self.requests_per_s,
+                "output_tokens_per_s": self.output_tokens_per_s,
+                "total_tokens_per_s": self.total_tokens_per_s}
+
+    def summary(self, name: str) -> str:
+        return (f"{name}: {self.elapsed_s:.2f} s, {self.requests_per_s:.2f} requests/s, "
+                f"{self.output_tokens_per_s:.1f} output tokens/s, "
+                f"{self.total_tokens_per_s:.1f} total tokens/s, peak RSS "
+                f"{self.peak_rss_mib:.0f} MiB")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
+                    requests: List[SampleRequest], show_progress: bool = False) -> ThroughputResult:
+    """Greedy, EOS ignored: every request yields exactly its output length."""
+    from fulcrum.llm import LLM
+
+    llm = LLM(model_dir, **engine_kwargs)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+              for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.engine_prompt() for r in requests], params,
+                           use_tqdm=show_progress)
+    elapsed = time.perf_counter() - start
+    return ThroughputResult(len(requests), sum(len(o.prompt_token_ids) for o in outputs),
+                            sum(len(o.outputs[0].token_ids) for o in outputs), elapsed,
+                            peak_rss_mib())
+
+
+def run_isolated(function: Callable[..., ThroughputResult], *args: Any) -> ThroughputResult:
+    """Run `function(*args)` in a fresh spawned process and return its result."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(function, *args).result()
+
+
+def write_comparison(fulcrum: ThroughputResult, hf: ThroughputResult, setup: Dict[str, Any],
+                     stem: Path) -> Tuple[Path, Path]:
+    """`stem`.json (everything) and `stem`.md (a short table) side by side."""
+    ratio = fulcrum.output_tokens_per_s / hf.output_tokens_per_s
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path.write_text(json.dumps({"setup": setup, "fulcrum": fulcrum.as_dict(),
+                                     "hf_transformers": hf.as_dict(),
+                                     "output_tokens_per_s_ratio": ratio}, indent=2) + "\n")
+    rows = [("fulcrum (continuous batching)", fulcrum),
+            (f"HF transformers generate (static batches of {setup['hf_batch_size']})", hf)]
+    lines = ["# Offline throughput: fulcrum vs HF transformers\n",
+             ", ".join(f"{k}: {v}" for k, v in setup.items()) + "\n",
+             "| engine | output tokens/s | total tokens/s | requests/s | time (s) "
+             "| peak RSS (MiB) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} | "
+              f"{r.requests_per_s:.2f} | {r.elapsed_s:.1f} | {r.peak_rss_mib:.0f} |"
+              for name, r in rows]
+    lines.append(f"\nfulcrum / HF output tokens/s: **{ratio:.2f}x**")
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path

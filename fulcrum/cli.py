@@ -1,0 +1,46 @@
+"""`fulcrum` command line: demo, generate, serve, bench.
+
+Each command lives in its own module, which adds its sub-parser in `register(subparsers)`
+and sets `func` to what runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+COMMAND_MODULES = ("fulcrum.demo", "fulcrum.generate", "fulcrum.server.cli", "fulcrum.bench.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fulcrum import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fulcrum",
+        description="fulcrum: LLM inference with continuous batching, a paged KV cache and "
+                    "chunked prefill. Models are local Hugging Face folders; with none given, "
+                    "the built-in default model (SmolLM2-135M-shaped, random weights) is used.")
+    parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"fulcrum {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

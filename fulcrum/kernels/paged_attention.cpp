@@ -1,0 +1,156 @@
+// Paged attention for single-token queries (decodes) on CPU.
+//
+// Reads each key and value once, straight from the block tables, with an online softmax:
+// no gathered copy of the context is ever made. One work item is one (sequence, KV head)
+// pair; the query heads that share that KV head (GQA) are processed together, so each key
+// and value loaded serves all of them. Built at first use by fulcrum/kernels/__init__.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlockSize = 128;
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void load_row(const float* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+inline void load_row(const uint16_t* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+inline void store_row(const float* src, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+inline void store_row(const float* src, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t context_len, T* out, int kv_head, int num_kv_heads, int group,
+                int head_dim, int block_size, float scale, int window) {
+  float query[kMaxGroup][kMaxHeadDim];
+  float acc[kMaxGroup][kMaxHeadDim];
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];
+  float scores[kMaxGroup][kMaxBlockSize];
+  float row[kMaxHeadDim];
+  for (int g = 0; g < group; ++g) {
+    load_row(q + (kv_head * group + g) * head_dim, query[g], head_dim);
+    for (int d = 0; d < head_dim; ++d) {
+      query[g][d] *= scale;
+      acc[g][d] = 0.f;
+    }
+    running_max[g] = -1e30f;
+    running_sum[g] = 0.f;
+  }
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  for (int64_t t = start; t < context_len;) {
+    const int64_t offset = t % block_size;
+    const int n = static_cast<int>(std::min<int64_t>(block_size - offset, context_len - t));
+    const int64_t base = (table[t / block_size] * block_size + offset) * token_stride +
+                         static_cast<int64_t>(kv_head) * head_dim;
+    for (int j = 0; j < n; ++j) {
+      load_row(k_cache + base + j * token_stride, row, head_dim);
+      for (int g = 0; g < group; ++g) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < head_dim; ++d) dot += query[g][d] * row[d];
+        scores[g][j] = dot;
+      }
+    }
+    for (int g = 0; g < group; ++g) {
+      float tile_max = running_max[g];
+      for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[g][j]);
+      const float correction = std::exp(running_max[g] - tile_max);
+      running_max[g] = tile_max;
+      float tile_sum = 0.f;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int j = 0; j < n; ++j) {
+        scores[g][j] = std::exp(scores[g][j] - tile_max);
+        tile_sum += scores[g][j];
+      }
+      running_sum[g] = running_sum[g] * correction + tile_sum;
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) acc[g][d] *= correction;
+    }
+    for (int j = 0; j < n; ++j) {
+      load_row(v_cache + base + j * token_stride, row, head_dim);
+      for (int g = 0; g < group; ++g) {
+        const float p = scores[g][j];
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) acc[g][d] += p * row[d];
+      }
+    }
+    t += n;
+  }
+  for (int g = 0; g < group; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int d = 0; d < head_dim; ++d) acc[g][d] *= inv;
+    store_row(acc[g], out + (kv_head * group + g) * head_dim, head_dim);
+  }
+}
+
+template <typename T>
+int decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                     const int64_t* context_lens, T* out, int num_seqs, int num_heads,
+                     int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                     float scale, int window, int num_threads) {
+  const int group = num_heads / num_kv_heads;
+  if (group > kMaxGroup || head_dim > kMaxHeadDim || block_size > kMaxBlockSize) return 1;
+  const int64_t q_stride = static_cast<int64_t>(num_heads) * head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int h = 0; h < num_kv_heads; ++h) {
+      decode_one(q + s * q_stride, k_cache, v_cache, tables + static_cast<int64_t>(s) * max_blocks,
+                 context_lens[s], out + s * q_stride, h, num_kv_heads, group, head_dim,
+                 block_size, scale, window);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int paged_decode_attention_f32(const float* q, const float* k, const float* v,
+                               const int64_t* tables, const int64_t* lens, float* out, int s,
+                               int h, int hkv, int d, int bs, int mb, float scale, int window,
+                               int threads) {
+  return decode_attention(q, k, v, tables, lens, out, s, h, hkv, d, bs, mb, scale, window,
+                          threads);
+}
+
+int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                const int64_t* tables, const int64_t* lens, uint16_t* out, int s,
+                                int h, int hkv, int d, int bs, int mb, float scale, int window,
+                                int threads) {
+  return decode_attention(q, k, v, tables, lens, out, s, h, hkv, d, bs, mb, scale, window,
+                          threads);
+}
+
+}  // extern "C"

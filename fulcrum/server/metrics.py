@@ -1,0 +1,186 @@
+"""Prometheus metrics of one server, fed by the engine's step reports.
+
+Names follow vLLM's (`vllm:` becomes `fulcrum:`), so existing dashboards need only the
+prefix changed. Every collector lives in a private CollectorRegistry per server, so two
+apps in one process (as in the tests) never share counts. Updates run on the event loop,
+from `AsyncLLM`'s listener hook, never on the engine thread.
+
+Latencies come from the engine's request timestamps where they are set once (arrival,
+first scheduled, first token, finished) and otherwise from the report's step time, which is
+when the step's tokens left the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fulcrum.async_engine import AsyncLLM, StepReport
+from fulcrum.outputs import RequestOutput
+from fulcrum.stats import StepStats
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class _Progress:
+    """What the metrics remember about a request between its outputs."""
+
+    last_time: float
+    tokens: Dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
+
+
+class _LoopCollector(Collector):
+    """Reads the engine loop's cumulative busy and forward time at scrape time."""
+
+    def __init__(self, async_llm: AsyncLLM, labels: Dict[str, str]) -> None:
+        self._async_llm = async_llm
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        stats = self._async_llm.loop_stats
+        names, values = list(self._labels), list(self._labels.values())
+        busy = CounterMetricFamily("fulcrum:engine_loop_busy_seconds",
+                                   "Wall time of engine loop iterations that had work",
+                                   labels=names)
+        busy.add_metric(values, stats.busy_seconds)
+        forward = CounterMetricFamily("fulcrum:engine_loop_forward_seconds",
+                                      "Time the engine loop spent in the model's forward pass",
+                                      labels=names)
+        forward.add_metric(values, stats.forward_seconds)
+        overhead = GaugeMetricFamily("fulcrum:engine_loop_overhead_fraction",
+                                     "Share of the loop's busy time outside the forward pass",
+                                     labels=names)
+        overhead.add_metric(values, stats.overhead_fraction)
+        return iter((busy, forward, overhead))
+
+
+class ServerMetrics:
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"model_name": model_name}
+        self._progress: Dict[str, _Progress] = {}
+        self._last_stats: StepStats | None = None
+        self._define_gauges()
+        self._define_counters()
+        self._define_histograms()
+        self.registry.register(_LoopCollector(async_llm, self._labels))
+        async_llm.add_listener(self.record)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, list(self._labels), registry=self.registry).labels(**self._labels)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, list(self._labels),
+                       registry=self.registry).labels(**self._labels)
+
+    def _histogram(self, name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+        return Histogram(name, doc, list(self._labels), buckets=tuple(buckets),
+                         registry=self.registry).labels(**self._labels)
+
+    def _define_gauges(self) -> None:
+        self.running = self._gauge("fulcrum:num_requests_running", "Requests in the running batch")
+        self.waiting = self._gauge("fulcrum:num_requests_waiting", "Requests waiting to run")
+        self.preempted = self._gauge("fulcrum:num_requests_preempted",
+                                     "Waiting requests that were preempted and must resume")
+        self.kv_usage = self._gauge("fulcrum:kv_cache_usage_perc",
+                                    "Fraction of KV-cache blocks in use (1 = full)")
+        self.hit_rate = self._gauge("fulcrum:prefix_cache_hit_rate",
+                                    "Share of looked-up prompt tokens found in the prefix cache")
+
+    def _define_counters(self) -> None:
+        self.finished = Counter("fulcrum:request_success", "Finished requests by finish reason",
+                                list(self._labels) + ["finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.finished.labels(finished_reason=reason, **self._labels)
+        self.prompt_tokens = self._counter("fulcrum:prompt_tokens", "Prompt tokens of requests")
+        self.generation_tokens = self._counter("fulcrum:generation_tokens", "Generated tokens")
+        self.preemptions = self._counter("fulcrum:num_preemptions", "Preemptions")
+        self.cache_queries = self._counter("fulcrum:prefix_cache_queries",
+                                           "Prompt tokens looked up in the prefix cache")
+        self.cache_hits = self._counter("fulcrum:prefix_cache_hits",
+                                        "Prompt tokens found in the prefix cache")
+
+    def _define_histograms(self) -> None:
+        self.ttft = self._histogram("fulcrum:time_to_first_token_seconds",
+                                    "Arrival to first token", LATENCY_BUCKETS)
+        self.tpot = self._histogram("fulcrum:time_per_output_token_seconds",
+                                    "Mean time per output token after the first, per request",
+                                    TOKEN_LATENCY_BUCKETS)
+        self.itl = self._histogram("fulcrum:inter_token_latency_seconds",
+                                   "Time between a request's consecutive outputs",
+                                   TOKEN_LATENCY_BUCKETS)
+        self.e2e = self._histogram("fulcrum:e2e_request_latency_seconds",
+                                   "Arrival to finish", LATENCY_BUCKETS)
+        self.queue_time = self._histogram("fulcrum:request_queue_time_seconds",
+                                          "Arrival to first scheduled", LATENCY_BUCKETS)
+
+    # ------------------------------------------------------------- updates
+    def record(self, report: StepReport) -> None:
+        if report.stats is not None:
+            self._record_step(report.stats, report.num_preempted)
+        for output in report.outputs:
+            self._record_output(output, report.time)
+
+    def _record_step(self, stats: StepStats, num_preempted: int) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preempted.set(num_preempted)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.preemptions.inc(stats.num_preemptions_total
+                             - (last.num_preemptions_total if last else 0))
+        self.cache_queries.inc(stats.prefix_cache_queries
+                               - (last.prefix_cache_queries if last else 0))
+        self.cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        if stats.prefix_cache_queries:
+            self.hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        self._last_stats = stats
+
+    def _record_output(self, output: RequestOutput, now: float) -> None:
+        progress = self._progress.get(output.request_id)
+        if progress is None:
+            progress = self._progress[output.request_id] = _Progress(now)
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self._observe_first(output)
+        else:
+            self.itl.observe(now - progress.last_time)
+            progress.last_time = now
+        for completion in output.outputs:
+            new = len(completion.token_ids)
+            progress.tokens[completion.index] = progress.tokens.get(completion.index, 0) + new
+            self.generation_tokens.inc(new)
+        if output.finished:
+            del self._progress[output.request_id]
+            self._observe_finish(output, progress)
+
+    def _observe_first(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        if metrics is None:
+            return
+        if metrics.first_token_time is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+
+    def _observe_finish(self, output: RequestOutput, progress: _Progress) -> None:
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self.finished.labels(finished_reason=reason or "abort", **self._labels).inc()
+        metrics = output.metrics
+        if metrics is None or metrics.finished_time is None:
+            return
+        self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        longest = max(progress.tokens.values(), default=0)
+        if metrics.first_token_time is not None and longest > 1:
+            self.tpot.observe((progress.last_time - metrics.first_token_time) / (longest - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

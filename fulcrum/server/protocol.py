@@ -1,0 +1,291 @@
+"""Request and response bodies of the OpenAI-compatible API, with OpenAI's and vLLM's names.
+
+Unknown request fields are ignored, as in vLLM, so clients written for OpenAI or vLLM work
+unchanged; fields that would change the result but are not supported are rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from fulcrum.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields that completions and chat completions share, vLLM's extras included."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[Dict[str, float]] = None
+    # vLLM's extra sampling parameters.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def unsupported(self) -> Optional[str]:
+        """Why this request cannot be served as asked, if it cannot."""
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+    def to_sampling_params(self, max_tokens: Optional[int],
+                           logprobs: Optional[int]) -> SamplingParams:
+        """SamplingParams for this request; raises ValueError on out-of-range values."""
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        return SamplingParams(
+            n=self.n, seed=self.seed, stop=self.stop, max_tokens=max_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **{k: v for k, v in optional.items() if v is not None})
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptInput = Union[str, List[str], List[int], List[List[int]]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    def unsupported(self) -> Optional[str]:
+        if self.suffix:
+            return "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of must equal n (fulcrum does not rank candidates)"
+        if self.echo and self.logprobs is not None:
+            return "echo with logprobs is not supported (fulcrum computes no prompt logprobs)"
+        return super().unsupported()
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompt field as a list of prompts, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: Union[str, List[Dict[str, Any]], None] = None
+    name: Optional[str] = None
+
+    def template_dict(self) -> Dict[str, Any]:
+        """The message as the chat template sees it: content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content
+                              if part.get("type") == "text")
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: List[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    @property
+    def max_output_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    tokens: List[int]
+
+
+# ------------------------------------------------------------------ responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format."""
+
+    text_offset: List[int] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    tokens: List[str] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Choice(BaseModel):
+    """What every choice carries: its place and why it ended."""
+
+    index: int
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # vLLM's: the stop string or token that ended it
+
+
+class _Response(BaseModel):
+    """What every completion response and stream chunk carries besides its choices."""
+
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+
+
+class CompletionResponse(_Response):
+    """A whole completion, and also each chunk of a streamed one (as in OpenAI's API)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: List[CompletionChoice]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: List[TokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class _ChatChoice(_Choice):
+    logprobs: Optional[ChatLogprobs] = None
+
+
+class ChatChoice(_ChatChoice):
+    message: ChatResponseMessage
+
+
+class ChatStreamChoice(_ChatChoice):
+    delta: DeltaMessage
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: List[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: List[ChatStreamChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "fulcrum"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: List[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

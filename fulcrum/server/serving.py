@@ -1,0 +1,372 @@
+"""From OpenAI-style requests to engine requests and back: completions and chat completions.
+
+One API request becomes one engine request per prompt (each with the request's `n`); their
+incremental outputs are merged into one stream. Choices are numbered prompt-major, as in
+vLLM: choice `i * n + j` is completion j of prompt i. Everything here runs on the event
+loop; the engine thread only ever sees validated requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional,
+                    Sequence, Tuple, TypeVar, Union)
+
+import jinja2
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from fulcrum.async_engine import AsyncLLM, EngineDeadError
+from fulcrum.outputs import CompletionOutput, RequestOutput
+from fulcrum.sampler import Logprob
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                     ChatResponseMessage, ChatStreamChoice, CompletionChoice,
+                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                     DeltaMessage, ErrorInfo, ErrorResponse, SamplingRequest,
+                                     TokenLogprob, TopLogprob, UsageInfo)
+
+T = TypeVar("T")
+EnginePrompt = Tuple[Optional[str], List[int]]
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
+
+
+class APIError(Exception):
+    """An error the client caused or should know about, sent in OpenAI's error format."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(
+            message=self.message, type=self.TYPES.get(self.status, "APIError"),
+            param=self.param, code=self.status))
+
+
+def bad_request(error: Union[str, Exception]) -> APIError:
+    return APIError(400, str(error))
+
+
+# ------------------------------------------------------------ output bookkeeping
+@dataclass
+class _Delta:
+    """What one engine output added to a choice, ready to send."""
+
+    text: str
+    offset: int  # where the delta's first token starts in the choice's text
+    token_ids: List[int]
+    logprobs: List[Dict[int, Logprob]]
+
+
+@dataclass
+class _Choice:
+    """One choice's output so far."""
+
+    index: int
+    prefix: str = ""  # the prompt, with echo: sent before the first delta
+    text: str = ""
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def add(self, completion: CompletionOutput) -> _Delta:
+        text = (self.prefix if not self.text else "") + completion.text
+        delta = _Delta(text, len(self.text) + len(text) - len(completion.text),
+                       list(completion.token_ids), list(completion.logprobs or []))
+        self.text += text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = completion.finish_reason
+        self.stop_reason = completion.stop_reason
+        return delta
+
+    def whole(self) -> _Delta:
+        """Everything so far, as one delta (for a response that is not streamed)."""
+        return _Delta(self.text, len(self.prefix), self.token_ids, self.logprobs)
+
+
+class _Generation:
+    """The choices of one API request, fed with the engine outputs of its prompts."""
+
+    def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False) -> None:
+        self.n = n
+        self.prompt_tokens = sum(len(ids) for _, ids in prompts)
+        self.choices = [_Choice(i * n + j, prefix=text if echo and text else "")
+                        for i, (text, _) in enumerate(prompts) for j in range(n)]
+
+    def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
+        for completion in output.outputs:
+            choice = self.choices[prompt_index * self.n + completion.index]
+            yield choice, choice.add(completion)
+
+    async def consume(self, outputs: AsyncIterator[Tuple[int, RequestOutput]]) -> None:
+        async for prompt_index, output in outputs:
+            for _ in self.add(prompt_index, output):
+                pass
+
+    def usage(self) -> UsageInfo:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
+
+
+def _legacy_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
+                     offset: int) -> CompletionLogprobs:
+    """OpenAI's completions logprobs; `offset` is where the first token starts in the text."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        token = entry[token_id].decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(entry[token_id].logprob)
+        top: Dict[str, float] = {}
+        for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens may decode alike
+            top.setdefault(lp.decoded_token or "", lp.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def _top_logprob(logprob: Logprob) -> TopLogprob:
+    token = logprob.decoded_token or ""
+    return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
+
+
+def _chat_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
+                   num_top: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        tops = sorted(entry.values(), key=lambda lp: lp.rank)[:num_top]
+        chosen = _top_logprob(entry[token_id])
+        content.append(TokenLogprob(**chosen.model_dump(),
+                                    top_logprobs=[_top_logprob(lp) for lp in tops]))
+    return ChatLogprobs(content=content)
+
+
+# ------------------------------------------------------------------ streams
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[Tuple[int, T]]:
+    """(index of the stream, item) from several async iterators, as items arrive.
+
+    Leaving early cancels every stream still running, which aborts its engine request.
+    """
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -> bool:
+    """Run `work`, cancelling it if the client hangs up first; True if it completed.
+
+    Streaming responses get this from Starlette; a plain response needs it so that a client
+    that gives up on a long completion does not keep its requests running.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
+# ------------------------------------------------------------------ serving
+ChunkMaker = Callable[[_Choice, _Delta], BaseModel]
+
+
+class OpenAIServing:
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.llm = async_llm
+        self.model_name = model_name
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    # -------------------------------------------------------- completions
+    async def create_completion(self, request: CompletionRequest,
+                                raw_request: Request) -> Union[Response, BaseModel]:
+        params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = self._completion_prompts(request)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = _Generation(prompts, request.n, request.echo)
+        created = int(time.time())
+
+        def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
+            return CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                      choices=choices, usage=usage)
+
+        def choice(c: _Choice, delta: _Delta) -> CompletionChoice:
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = _legacy_logprobs(delta.logprobs, delta.token_ids, delta.offset)
+            return CompletionChoice(index=c.index, text=delta.text, logprobs=logprobs,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+        outputs = self._generate(prompts, params, request_id, request.priority)
+        return await self._respond(
+            request, raw_request, generation, outputs,
+            chunk=lambda c, d: response([choice(c, d)], self._running_usage(request, generation)),
+            usage_chunk=lambda: response([], generation.usage()),
+            final=lambda: response([choice(c, c.whole()) for c in generation.choices],
+                                   generation.usage()))
+
+    def _completion_prompts(self, request: CompletionRequest) -> List[EnginePrompt]:
+        try:
+            return [self._engine_prompt(p, request.add_special_tokens) for p in request.prompts()]
+        except (ValueError, TypeError) as error:
+            raise bad_request(error) from None
+
+    def _engine_prompt(self, prompt: Union[str, List[int]], add_special: bool) -> EnginePrompt:
+        """(text, token ids) of one prompt, checked against the model's limits."""
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt,
+                      "prompt_token_ids": self.llm.tokenizer.encode(prompt, add_special)}
+        text, token_ids = self.llm.process_prompt(prompt)
+        return (text if text is not None else self.llm.tokenizer.decode(token_ids)), token_ids
+
+    # --------------------------------------------------------------- chat
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request) -> Union[Response, BaseModel]:
+        params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        prompt = self.render_chat(request.messages, request.add_generation_prompt,
+                                  request.chat_template, request.chat_template_kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = _Generation([prompt], request.n)
+        created = int(time.time())
+
+        def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
+            if request.num_logprobs is None:
+                return None
+            return _chat_logprobs(delta.logprobs, delta.token_ids, request.num_logprobs)
+
+        def chunk(choices: List[ChatStreamChoice], usage: Optional[UsageInfo] = None):
+            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                       choices=choices, usage=usage)
+
+        def delta_chunk(c: _Choice, delta: _Delta) -> BaseModel:
+            return chunk([ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs(delta),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                self._running_usage(request, generation))
+
+        def final() -> BaseModel:
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=self.model_name, usage=generation.usage(),
+                choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                    logprobs=logprobs(c.whole()), finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason) for c in generation.choices])
+
+        roles = [chunk([ChatStreamChoice(index=c.index,
+                                         delta=DeltaMessage(role="assistant", content=""))])
+                 for c in generation.choices]
+        outputs = self._generate([prompt], params, request_id, request.priority)
+        return await self._respond(
+            request, raw_request, generation, outputs, chunk=delta_chunk,
+            usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
+
+    def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
+                    chat_template: Optional[str] = None,
+                    template_kwargs: Optional[Dict[str, Any]] = None) -> EnginePrompt:
+        """(text, token ids) of a conversation through the model's chat template."""
+        tokenizer = self.llm.tokenizer
+        try:
+            text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
+                                                 add_generation_prompt, chat_template,
+                                                 **(template_kwargs or {}))
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids})
+        except (ValueError, TypeError, jinja2.TemplateError) as error:
+            raise bad_request(error) from None
+
+    # ------------------------------------------------------------- shared
+    def _sampling_params(self, request: SamplingRequest, max_tokens: Optional[int],
+                         logprobs: Optional[int]) -> SamplingParams:
+        self.check_model(request.model)
+        problem = request.unsupported()
+        if problem:
+            raise bad_request(problem)
+        try:
+            return request.to_sampling_params(max_tokens, logprobs)
+        except (ValueError, TypeError) as error:
+            raise bad_request(error) from None
+
+    def _generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
+                  request_id: str, priority: int) -> AsyncIterator[Tuple[int, RequestOutput]]:
+        streams = [self.llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
+                                     f"{request_id}-{i}", priority)
+                   for i, (text, ids) in enumerate(prompts)]
+        return merge_streams(streams)
+
+    @staticmethod
+    def _running_usage(request: SamplingRequest, generation: _Generation) -> Optional[UsageInfo]:
+        return generation.usage() if request.continuous_usage else None
+
+    async def _respond(self, request: SamplingRequest, raw_request: Request,
+                       generation: _Generation,
+                       outputs: AsyncIterator[Tuple[int, RequestOutput]], chunk: ChunkMaker,
+                       usage_chunk: Callable[[], BaseModel], final: Callable[[], BaseModel],
+                       preamble: Sequence[BaseModel] = ()) -> Union[Response, BaseModel]:
+        """A server-sent event stream, or the whole response once every choice finished."""
+        if request.stream:
+            events = _events(generation, outputs, chunk, preamble,
+                             usage_chunk if request.include_usage else None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if not await run_unless_disconnected(raw_request, generation.consume(outputs)):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return final()
+
+
+async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, RequestOutput]],
+                  chunk: ChunkMaker, preamble: Sequence[BaseModel],
+                  usage_chunk: Optional[Callable[[], BaseModel]]) -> AsyncIterator[str]:
+    """OpenAI's stream: one chunk per new output, an optional usage chunk, then [DONE]."""
+    try:
+        for payload in preamble:
+            yield _sse(payload)
+        async for prompt_index, output in outputs:
+            for choice, delta in generation.add(prompt_index, output):
+                yield _sse(chunk(choice, delta))
+        if usage_chunk is not None:
+            yield _sse(usage_chunk())
+    except EngineDeadError as error:
+        yield _sse(APIError(503, str(error)).body())
+    yield "data: [DONE]\n\n"
