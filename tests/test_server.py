@@ -1,0 +1,357 @@
+"""The HTTP server, driven by the official `openai` client and raw httpx on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum import LLM, SamplingParams
+from fulcrum.async_engine import AsyncLLM
+from fulcrum.server import BackgroundServer, build_app
+
+MODEL = "tiny-llama"
+API_KEY = "sesame"
+PROMPTS = ["The quick brown fox", "Once upon a time"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def async_llm(llama_dir):
+    llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=1024)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(async_llm):
+    with BackgroundServer(build_app(async_llm, MODEL)) as background:
+        yield background
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(str(llama_dir))
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not llm.is_idle:
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ------------------------------------------------------------------ completions
+def test_completions_match_offline_generate(client, offline):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10,
+                                         temperature=0.0, extra_body=NO_EOS)
+    expected = offline.generate(PROMPTS, greedy(10), use_tqdm=False)
+    assert response.id.startswith("cmpl-") and response.object == "text_completion"
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.text for c in response.choices] == [e.outputs[0].text for e in expected]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert response.usage.completion_tokens == 20
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 20
+
+
+def test_streamed_completion_equals_plain_one(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, n=2,
+                                      temperature=0.0, extra_body=NO_EOS)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, n=2,
+                                       temperature=0.0, stream=True, extra_body=NO_EOS,
+                                       stream_options={"include_usage": True})
+    texts, reasons, chunks = {}, {}, list(stream)
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None and len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert reasons == {i: "length" for i in range(4)}
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert len(chunks) - 1 == 4 * 8, "one chunk per generated token"
+
+
+def test_stream_ends_with_done(server):
+    body = {"prompt": "abc", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_n_with_seed_is_reproducible(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="Roll the dice", n=3, seed=7,
+                                         max_tokens=6, temperature=1.0, extra_body=NO_EOS)
+
+    first, second = sample(), sample()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 18
+
+
+def test_stop_string_ends_the_text(client):
+    full = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=32,
+                                     temperature=0.0, extra_body=NO_EOS).choices[0].text
+    position = next(i for i, ch in enumerate(full) if i >= 1 and ch.isprintable()
+                    and ch != "\ufffd")
+    stop = full[position]
+    choice = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=32,
+                                       temperature=0.0, stop=[stop],
+                                       extra_body=NO_EOS).choices[0]
+    assert choice.text == full[:full.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+
+
+def test_token_id_prompts_with_echo(client, offline):
+    ids = [[72, 101, 108], [108, 111]]
+    response = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True,
+                                         temperature=0.0, extra_body=NO_EOS)
+    expected = offline.generate(ids, greedy(4), use_tqdm=False)
+    tokenizer = offline.get_tokenizer()
+    assert [c.text for c in response.choices] == [
+        tokenizer.decode(p) + e.outputs[0].text for p, e in zip(ids, expected)]
+    assert response.usage.prompt_tokens == 5
+
+
+def test_completion_logprobs(client):
+    choice = client.completions.create(model=MODEL, prompt="Logprobs", max_tokens=5,
+                                       logprobs=2, temperature=0.0,
+                                       extra_body=NO_EOS).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert len(logprobs.text_offset) == len(logprobs.top_logprobs) == 5
+    assert all(p <= 0 for p in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert [max(top.values()) for top in logprobs.top_logprobs] == logprobs.token_logprobs
+    assert logprobs.text_offset[0] == 0
+
+
+# ------------------------------------------------------------------------ chat
+def test_chat_matches_offline_chat(client, offline):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8,
+                                              temperature=0.0, extra_body=NO_EOS)
+    expected = offline.chat(CHAT, greedy(8), use_tqdm=False)[0]
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    message = response.choices[0].message
+    assert (message.role, message.content) == ("assistant", expected.outputs[0].text)
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 8
+
+
+def test_chat_streaming(client):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
+                                           temperature=0.0, extra_body=NO_EOS)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, n=2, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body=NO_EOS))
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    texts: dict = {}
+    for chunk in chunks[2:-1]:
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + choice.delta.content
+    assert texts == {c.index: c.message.content for c in plain.choices}
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                              logprobs=True, top_logprobs=3, temperature=0.0)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+# ------------------------------------------------------------- other routes
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 512
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_tokenize_round_trip(server, offline):
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["tokens"] == offline.get_tokenizer().encode("hello world")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] > tokens["count"]
+
+
+# ---------------------------------------------------------------------- errors
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "empty"),
+    ("/v1/completions", {"prompt": [[1, 2], [99999]]}, 400, "99999"),
+    ("/v1/completions", {"prompt": "x" * 600}, 400, "600 tokens long, more than the maximum "
+                                                    "model length of 512"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, 400,
+     "maximum model length of 512"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ raise_exception('no') }}"},
+     400, "no"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "out of vocabulary"),
+    ("/v1/nowhere", {}, 404, "Not Found"),
+])
+def test_errors_use_openai_format(server, path, body, status, words):
+    response = httpx.post(server.url + path, json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] and words in error["message"]
+
+
+def test_malformed_json_is_a_bad_request(server):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+
+
+def test_openai_client_raises_on_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="maximum model length"):
+        client.completions.create(model=MODEL, prompt="x" * 600)
+
+
+def test_api_key(llama_dir):
+    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=64)
+    with BackgroundServer(build_app(async_llm, MODEL, api_key=API_KEY)) as server:
+        url = server.url + "/v1/models"
+        assert httpx.get(url).status_code == 401
+        wrong = httpx.get(url, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        assert httpx.get(server.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="nope",
+                          max_retries=0).completions.create(model=MODEL, prompt="x")
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    async_llm.shutdown()
+
+
+# -------------------------------------------------------- load and disconnects
+async def _stream_client(url: str, index: int, disconnect: bool) -> dict:
+    """Stream one completion; a disconnecting client hangs up after three chunks."""
+    body = {"prompt": f"client {index} asks a question", "stream": True, "temperature": 0.8,
+            "max_tokens": 400 if disconnect else 24, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    chunks, usage = 0, None
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                payload = json.loads(line[6:])
+                if payload["choices"]:
+                    chunks += 1
+                usage = payload["usage"] or usage
+                if disconnect and chunks == 3:
+                    break
+    return {"chunks": chunks, "usage": usage}
+
+
+def scrape(server) -> dict:
+    text = httpx.get(server.url + "/metrics").text
+    return {(s.name, s.labels.get("finished_reason")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_concurrent_streams_with_disconnects(server, async_llm):
+    wait_idle(async_llm)
+    before = scrape(server)
+    disconnecting = {i for i in range(32) if i % 5 == 0}
+
+    async def run():
+        return await asyncio.gather(*(_stream_client(server.url, i, i in disconnecting)
+                                      for i in range(32)))
+
+    results = asyncio.run(run())
+    for index, result in enumerate(results):
+        if index in disconnecting:
+            assert result["chunks"] == 3
+        else:
+            assert result["chunks"] == 24 and result["usage"]["completion_tokens"] == 24
+    wait_idle(async_llm)
+    manager = async_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    after = scrape(server)
+    aborted = ("fulcrum:request_success_total", "abort")
+    assert after[aborted] - before[aborted] == len(disconnecting)
+    generated = (after[("fulcrum:generation_tokens_total", None)]
+                 - before[("fulcrum:generation_tokens_total", None)])
+    assert generated < 32 * 24 + len(disconnecting) * 100, "aborted requests kept decoding"
+
+
+def test_plain_request_is_aborted_when_the_client_leaves(server, async_llm):
+    wait_idle(async_llm)
+    aborted = ("fulcrum:request_success_total", "abort")
+    before = scrape(server)[aborted]
+    body = {"prompt": "a long answer", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.2)
+    deadline = time.monotonic() + 10
+    while scrape(server)[aborted] == before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    wait_idle(async_llm)
+    manager = async_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_metrics_count_the_requests(server, client, async_llm):
+    wait_idle(async_llm)
+    before = scrape(server)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS + ["third"], max_tokens=5,
+                                         temperature=0.0, extra_body=NO_EOS)
+    after = scrape(server)
+
+    def delta(name: str, reason=None) -> float:
+        return after[(name, reason)] - before.get((name, reason), 0.0)
+
+    assert delta("fulcrum:request_success_total", "length") == 3
+    assert delta("fulcrum:request_success_total", "stop") == 0
+    assert delta("fulcrum:prompt_tokens_total") == response.usage.prompt_tokens
+    assert delta("fulcrum:generation_tokens_total") == 15
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                      "time_per_output_token"):
+        assert delta(f"fulcrum:{histogram}_seconds_count") == 3
+    assert delta("fulcrum:inter_token_latency_seconds_count") == 3 * 4
+    for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_preempted",
+                  "kv_cache_usage_perc"):
+        assert after[(f"fulcrum:{gauge}", None)] == 0
+    assert 0 <= after[("fulcrum:prefix_cache_hit_rate", None)] <= 1
+    assert after[("fulcrum:engine_loop_busy_seconds_total", None)] > 0
