@@ -1,0 +1,134 @@
+"""The arithmetic of fulcrum bench: metrics from synthetic timelines, arrivals, datasets,
+grid parsing and Pareto fronts. No model, no server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fulcrum.bench.arrivals import arrival_offsets, schedule
+from fulcrum.bench.datasets import jsonl_requests, mixed_requests, random_requests
+from fulcrum.bench.metrics import RequestTimeline, compute_report, report_by_group
+from fulcrum.bench.sweep import pareto_front, parse_grid
+
+
+def _timelines():
+    return [
+        RequestTimeline(0.0, 10, 4, [0.1, 0.15, 0.25, 0.30], group="short"),
+        RequestTimeline(1.0, 20, 2, [1.2, 1.3], group="short"),
+        RequestTimeline(0.5, 30, 1, [0.9], group="long"),
+        RequestTimeline(0.2, 40, 5, [], group="long", success=False, error="boom"),
+    ]
+
+
+def test_per_request_definitions():
+    first = _timelines()[0]
+    assert first.ttft == pytest.approx(0.1)
+    assert first.e2el == pytest.approx(0.3)
+    assert first.itl == pytest.approx([0.05, 0.1, 0.05])
+    assert first.tpot == pytest.approx(0.2 / 3)  # (E2EL - TTFT) / (out - 1)
+    assert _timelines()[2].tpot is None  # one token: no TPOT
+
+
+def test_report_throughputs_and_percentiles():
+    report = compute_report(_timelines(), duration=2.0)
+    assert report["completed"] == 3 and report["failed"] == 1
+    assert report["total_input_tokens"] == 60 and report["total_output_tokens"] == 7
+    assert report["request_throughput"] == pytest.approx(1.5)
+    assert report["output_throughput"] == pytest.approx(3.5)
+    assert report["total_token_throughput"] == pytest.approx(33.5)
+    ttft = report["ttft_ms"]  # [100, 200, 400]
+    assert ttft["mean"] == pytest.approx(700 / 3)
+    assert ttft["median"] == pytest.approx(200)
+    assert ttft["p90"] == pytest.approx(360)  # linear interpolation, as numpy and vLLM
+    assert ttft["p99"] == pytest.approx(396)
+    assert report["itl_ms"]["mean"] == pytest.approx(75)  # gaps 50, 100, 50, 100
+    assert report["tpot_ms"]["mean"] == pytest.approx((200 / 3 + 100) / 2)
+    assert report["e2el_ms"]["median"] == pytest.approx(300)
+    assert "goodput" not in report
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    both = compute_report(_timelines(), 2.0, {"ttft_ms": 250, "tpot_ms": 80})
+    assert both["goodput"] == pytest.approx(0.5)  # only the first meets both
+    tpot_only = compute_report(_timelines(), 2.0, {"tpot_ms": 80})
+    assert tpot_only["goodput"] == pytest.approx(1.0)  # a 1-token request has TPOT 0
+    with pytest.raises(ValueError, match="unknown SLO"):
+        compute_report(_timelines(), 2.0, {"ttft": 1})
+
+
+def test_groups_are_reported_apart_over_the_same_duration():
+    reports = report_by_group(_timelines(), 2.0)
+    assert set(reports) == {"all", "short", "long"}
+    assert reports["short"]["completed"] == 2
+    assert reports["long"]["failed"] == 1
+    assert reports["short"]["request_throughput"] == pytest.approx(1.0)
+    assert set(report_by_group(_timelines()[:2], 2.0)) == {"all"}
+
+
+def test_empty_metrics_are_none():
+    report = compute_report([RequestTimeline(0.0, 5, 1, [0.5])], 1.0)
+    assert report["tpot_ms"]["p99"] is None and report["itl_ms"]["mean"] is None
+
+
+def test_arrivals_all_at_once_poisson_and_gamma():
+    rng = np.random.default_rng(0)
+    assert arrival_offsets(3, math.inf, 1.0, rng) == [0.0, 0.0, 0.0]
+    for burstiness in (1.0, 0.25):
+        offsets = arrival_offsets(20000, 10.0, burstiness, rng)
+        gaps = np.diff(offsets)
+        assert offsets[0] == 0.0 and np.all(gaps >= 0)
+        assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+        # gamma gaps: squared coefficient of variation = 1 / burstiness
+        assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.1)
+
+
+def test_random_and_mixed_datasets_have_exact_lengths():
+    rng = np.random.default_rng(0)
+    fixed = random_requests(5, 32, 8, 0.0, rng)
+    assert all(r.prompt_len == len(r.prompt) == 32 and r.output_len == 8 for r in fixed)
+    assert all(0 <= t < 256 for r in fixed for t in r.prompt)
+    ranged = random_requests(200, 100, 10, 0.5, rng)
+    assert all(50 <= r.prompt_len <= 150 and 5 <= r.output_len <= 15 for r in ranged)
+    mixed = mixed_requests(6, 16, 2, 300, 4, 0.0, rng)
+    assert [r.group for r in mixed].count("long") == 2
+    assert {r.prompt_len for r in mixed if r.group == "long"} == {300}
+
+
+def test_mixed_schedule_gives_each_group_its_rate():
+    mixed = mixed_requests(50, 16, 2, 300, 4, 0.0, np.random.default_rng(0))
+    timed = schedule(mixed, {"all": 5.0, "long": math.inf}, 1.0, seed=0)
+    offsets = [o for o, _ in timed]
+    assert offsets == sorted(offsets)
+    assert all(o == 0.0 for o, r in timed if r.group == "long")
+    assert max(offsets) > 1.0  # the short ones trickle in after the long ones
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(item) for item in [
+        {"prompt": "hello", "output_len": 3}, {"prompt": [1, 2, 3], "group": "long"}]))
+    requests = jsonl_requests(str(path), 7, count_tokens=len)
+    assert [(r.prompt_len, r.output_len, r.group) for r in requests] == [
+        (5, 3, "all"), (3, 7, "long")]
+    path.write_text('{"prompt": 5}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        jsonl_requests(str(path), 7)
+
+
+def test_grid_is_a_union_of_products():
+    grid = parse_grid(["max-num-batched-tokens=64,128 enable_chunked_prefill=true,false",
+                       "batching_mode=static", "max_num_batched_tokens=64"])
+    assert len(grid) == 6
+    assert {"max_num_batched_tokens": 128, "enable_chunked_prefill": False} in grid
+    assert {"batching_mode": "static"} in grid
+    with pytest.raises(ValueError, match="grid item"):
+        parse_grid(["not_a_knob=1"])
+
+
+def test_pareto_front_maximises_throughput_and_minimises_latency():
+    points = [(100, 50), (200, 80), (150, 90), (200, 70), (50, None)]
+    assert pareto_front(points) == [True, False, False, True, False]

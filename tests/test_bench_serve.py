@@ -1,0 +1,108 @@
+"""`fulcrum bench serve`: the streaming client against a mock endpoint, and end to end
+against a live `fulcrum serve` on a tiny model (loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fulcrum.bench.datasets import SampleRequest
+from fulcrum.bench.serve import parse_sse_line, run_load
+
+
+def _sse(*chunks) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def test_parse_sse_line():
+    assert parse_sse_line('data: {"a": 1}') == {"a": 1}
+    assert parse_sse_line("data: [DONE]") is None
+    assert parse_sse_line(": keep-alive") is None and parse_sse_line("") is None
+
+
+def test_run_load_streams_token_ids_and_reads_usage():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        if body["prompt"] == [9]:
+            return httpx.Response(500, text="server fell over")
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "b"}]},
+            {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}))
+
+    timed = [(0.0, SampleRequest([1, 2, 3], 3, 3, "short")), (0.05, SampleRequest([9], 1, 2))]
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_load(client, "http://127.0.0.1/v1/completions", "m", timed,
+                                  max_concurrency=1, show_progress=False)
+
+    timelines, duration = asyncio.run(main())
+    assert seen[0]["prompt"] == [1, 2, 3] and seen[0]["ignore_eos"] and seen[0]["stream"]
+    assert seen[0]["max_tokens"] == 3 and seen[0]["model"] == "m"
+    good, bad = timelines
+    assert good.completed and len(good.chunk_times) == 3 and good.output_len == 3
+    assert good.group == "short"
+    assert not bad.completed and "HTTP 500" in bad.error
+    assert duration >= 0.05  # the second request waited for its arrival time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live_server(llama_dir):
+    if importlib.util.find_spec("fulcrum.server.api_server") is None:
+        pytest.skip("fulcrum.server.api_server is not there yet")
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "fulcrum", "serve", str(llama_dir),
+                               "--port", str(port), "--kv-cache-memory-bytes", "20000000"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"server exited: {server.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(base_url + "/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not come up within 60 s")
+            time.sleep(0.3)
+        yield base_url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_bench_serve_end_to_end(live_server, tmp_path):
+    result = tmp_path / "serve.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "fulcrum", "bench", "serve", "--base-url", live_server,
+         "--num-prompts", "4", "--input-len", "16", "--output-len", "5", "--request-rate", "20",
+         "--slo", "ttft_ms=60000", "tpot_ms=60000", "--save-result", str(result),
+         "--disable-tqdm"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Mean TTFT (ms)" in run.stdout
+    report = json.loads(result.read_text())["reports"]["all"]
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["total_input_tokens"] == 4 * 16 and report["total_output_tokens"] == 4 * 5
+    assert report["goodput"] == pytest.approx(report["request_throughput"])
+    assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["p99"] > 0

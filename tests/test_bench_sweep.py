@@ -1,0 +1,73 @@
+"""`fulcrum bench throughput` and `fulcrum bench sweep` on a tiny model, and the HF
+baseline's accounting; small enough to run in seconds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from fulcrum.bench.cli import register
+from fulcrum.bench.datasets import random_requests
+from fulcrum.bench.hf_baseline import measure_hf
+from fulcrum.bench.shapes import SMOLLM2_135M, shape_dir
+from fulcrum.bench.throughput import measure_fulcrum, write_comparison
+from fulcrum.tokenizer import Tokenizer
+
+SMALL_KV = ["--kv-cache-memory-bytes", "20000000"]
+
+
+def _run_cli(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_sweep_writes_png_and_table(llama_dir, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = _run_cli(["bench", "sweep", str(llama_dir), "--num-prompts", "4", "--input-len", "8",
+                     "--output-len", "4", "--long-num-prompts", "1", "--long-input-len", "120",
+                     "--request-rate", "40", "--grid", "max_num_batched_tokens=32,128",
+                     "--grid", "batching_mode=static", "--output-dir", str(out), *SMALL_KV])
+    assert code == 0
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "sweep.md").read_text()
+    assert "budget=32" in table and "mode=static" in table and "*" in table
+    points = json.loads((out / "sweep.json").read_text())["points"]
+    assert len(points) == 3
+    assert all(p["latency_group"] == "short" for p in points)
+    assert points[2]["config"]["batching_mode"] == "static"
+    assert "TTFT p99" in capsys.readouterr().out
+
+
+def test_throughput_command(llama_dir, tmp_path):
+    saved = tmp_path / "throughput.json"
+    assert _run_cli(["bench", "throughput", str(llama_dir), "--num-prompts", "3",
+                     "--input-len", "8", "--output-len", "4", "--save-result", str(saved),
+                     *SMALL_KV]) == 0
+    result = json.loads(saved.read_text())["result"]
+    assert result["num_requests"] == 3 and result["output_tokens"] == 12
+    assert result["input_tokens"] == 24 and result["peak_rss_mib"] > 0
+
+
+def test_fulcrum_and_hf_produce_the_same_token_counts(llama_dir, tmp_path):
+    requests = random_requests(3, 8, 5, 0.0, np.random.default_rng(0))
+    ours = measure_fulcrum(str(llama_dir), {"kv_cache_memory_bytes": 20_000_000}, requests)
+    theirs = measure_hf(str(llama_dir), torch.float32, "cpu", requests, batch_size=2,
+                        random_weights=True)
+    assert ours.output_tokens == theirs.output_tokens == 15  # EOS ignored on both sides
+    setup = {"model": "tiny", "hf_batch_size": 2}
+    json_path, md_path = write_comparison(ours, theirs, setup, tmp_path / "cmp")
+    assert json.loads(json_path.read_text())["output_tokens_per_s_ratio"] > 0
+    assert "| fulcrum" in md_path.read_text()
+
+
+def test_shape_folder_matches_its_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path))
+    folder = shape_dir("smollm2-135m")
+    config = json.loads((tmp_path / "shapes" / "smollm2-135m" / "config.json").read_text())
+    assert config == SMOLLM2_135M and config["vocab_size"] == 49152
+    assert Tokenizer(folder).vocab_size == 49152
