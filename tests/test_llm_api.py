@@ -1,0 +1,217 @@
+"""The offline `LLM` API behaves as vLLM's: outputs in input order, every prompt form, one or
+many SamplingParams, n > 1, chat templates, length and stop handling, priorities, tqdm."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import EOS_ID
+from fulcrum import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), block_size=8)
+
+
+def greedy(max_tokens=12, **kwargs):
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **kwargs)
+
+
+def ids(token_ids):
+    return {"prompt_token_ids": list(token_ids)}
+
+
+def tokens(output, i=0):
+    return output.outputs[i].token_ids
+
+
+def test_outputs_in_input_order(llm):
+    # Later prompts finish first (fewer tokens), so finishing order is not input order.
+    prompts = [ids(range(1, 1 + n)) for n in (40, 3, 25, 9, 60)]
+    max_tokens = [20, 15, 10, 5, 1]
+    outputs = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in prompts]
+    assert [len(tokens(o)) for o in outputs] == max_tokens
+    assert len({o.request_id for o in outputs}) == len(prompts)
+    # Each output is what that prompt gives alone.
+    for prompt, m, output in zip(prompts, max_tokens, outputs):
+        (alone,) = llm.generate(prompt, greedy(m), use_tqdm=False)
+        assert tokens(alone) == tokens(output)
+
+
+def test_string_and_token_id_prompts_agree(llm):
+    text = "The quick brown fox"
+    prompt_ids = llm.get_tokenizer().encode(text)
+    assert len(prompt_ids) == len(text.encode())  # the byte-level tokenizer: one per byte
+    as_text, as_ids, as_list, as_dict = llm.generate(
+        [text, ids(prompt_ids), prompt_ids, {"prompt": text}], greedy(), use_tqdm=False)
+    assert as_text.prompt == text and as_dict.prompt == text
+    assert as_ids.prompt is None
+    for output in (as_text, as_ids, as_list, as_dict):
+        assert output.prompt_token_ids == prompt_ids
+        assert tokens(output) == tokens(as_text)
+        assert output.outputs[0].text == as_text.outputs[0].text
+    # A bare list of ints is one prompt, not many.
+    assert len(llm.generate(prompt_ids, greedy(), use_tqdm=False)) == 1
+
+
+def test_list_of_sampling_params(llm):
+    prompts = ["a", "bb", "ccc"]
+    params = [greedy(2), greedy(5), SamplingParams(temperature=0.9, seed=4, max_tokens=7,
+                                                   ignore_eos=True)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(tokens(o)) for o in outputs] == [2, 5, 7]
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(prompts, params[:2], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_n_completions_with_seed(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=10, ignore_eos=True)
+    (output,) = llm.generate("tell me", params, use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in output.outputs)
+    assert all(c.finish_reason == "length" for c in output.outputs)
+    completions = [tuple(c.token_ids) for c in output.outputs]
+    assert len(set(completions)) == 3, "three samples at temperature 1 should differ"
+    # The seed makes it reproducible, even batched with other requests.
+    _, again, _ = llm.generate(["x" * 30, "tell me", "y"], [greedy(), params, greedy(3)],
+                               use_tqdm=False)
+    assert [tuple(c.token_ids) for c in again.outputs] == completions
+    # A different seed gives different samples.
+    (other,) = llm.generate("tell me", SamplingParams(n=3, temperature=1.0, seed=999,
+                                                      max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)
+    assert [tuple(c.token_ids) for c in other.outputs] != completions
+
+
+@pytest.mark.xfail(reason="BUG: a preempted request's seeded generator is dropped "
+                   "(ModelRunner.execute forgets preempted ids), so sampling restarts from the "
+                   "seed after recompute", strict=True)
+def test_seeded_sampling_survives_preemption(llama_dir):
+    """A seeded request's tokens do not depend on the batch, preemption included."""
+    prompts = [ids(range(1 + 40 * i, 35 + 40 * i)) for i in range(3)]
+    params = [SamplingParams(temperature=1.0, seed=10 + i, max_tokens=40, ignore_eos=True)
+              for i in range(3)]
+    roomy = LLM(str(llama_dir), block_size=8, max_model_len=128)
+    reference = roomy.generate(prompts, params, use_tqdm=False)
+    assert all(o.metrics.num_preemptions == 0 for o in reference)
+    # 16 blocks of 8 tokens for three requests that grow to 9-10 blocks each.
+    tight = LLM(str(llama_dir), block_size=8, max_model_len=128, num_gpu_blocks_override=17)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert [tokens(o) for o in outputs] == [tokens(o) for o in reference]
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi there"}]
+    (output,) = llm.chat(messages, greedy(4), use_tqdm=False)
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert output.prompt == expected
+    assert "<|im_start|>user" in output.prompt
+    tokenizer = llm.get_tokenizer()
+    assert output.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    im_start = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(im_start) == 1 and output.prompt_token_ids.count(im_start[0]) == 3
+    assert len(tokens(output)) == 4
+    # A list of conversations gives one output each, in order; no generation prompt if asked.
+    outputs = llm.chat([messages, messages[1:]], greedy(2), use_tqdm=False,
+                       add_generation_prompt=False)
+    assert len(outputs) == 2
+    assert outputs[0].prompt == expected[:-len("<|im_start|>assistant\n")]
+    assert outputs[1].prompt == "<|im_start|>user\nHi there<|im_end|>\n"
+
+
+def test_max_model_len_limits_generation(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=32)
+    prompt = ids(range(1, 21))
+    (output,) = llm.generate(prompt, greedy(100), use_tqdm=False)
+    assert len(tokens(output)) == 12
+    assert output.outputs[0].finish_reason == "length"
+    (unlimited,) = llm.generate(prompt, greedy(None), use_tqdm=False)
+    assert tokens(unlimited) == tokens(output)
+
+
+def test_stop_token_ids(llm):
+    prompt = ids([5, 6, 7, 8, 9])
+    (free,) = llm.generate(prompt, greedy(16), use_tqdm=False)
+    reference = tokens(free)
+    k = next(i for i in range(3, 16) if reference[i] not in reference[:i])
+    stop_id = reference[k]
+    (stopped,) = llm.generate(prompt, greedy(16, stop_token_ids=[stop_id]), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.token_ids == reference[:k + 1]
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason == stop_id
+    # As in vLLM, the stop token is in token_ids but not in the text.
+    tokenizer = llm.get_tokenizer()
+    assert completion.text == tokenizer.decode(reference[:k])
+
+
+@pytest.fixture(scope="module")
+def eos_setup(llama_dir, tmp_path_factory):
+    """A copy of the tiny llama whose EOS is a token its greedy output reaches at index k."""
+    plain = LLM(str(llama_dir))
+    prompt = ids([11, 12, 13])
+    (free,) = plain.generate(prompt, greedy(16), use_tqdm=False)
+    reference = tokens(free)
+    k = next(i for i in range(2, 16)
+             if reference[i] not in reference[:i] and reference[i] != EOS_ID)
+    folder = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": reference[k]}))
+    return LLM(str(folder)), prompt, reference, k
+
+
+def test_eos_stops_generation(eos_setup):
+    llm, prompt, reference, k = eos_setup
+    assert reference[k] in llm.get_tokenizer().eos_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    (stopped,) = llm.generate(prompt, params, use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.token_ids == reference[:k + 1]
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason is None  # EOS, not a user stop token
+    assert completion.text == llm.get_tokenizer().decode(reference[:k])
+    # ignore_eos runs on to max_tokens; min_tokens masks EOS until it is reached.
+    (ignored,) = llm.generate(prompt, greedy(16), use_tqdm=False)
+    assert tokens(ignored) == reference
+    (at_least,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
+                                                      min_tokens=k + 2), use_tqdm=False)
+    assert len(tokens(at_least)) >= k + 2
+    assert tokens(at_least)[:k] == reference[:k]
+    assert tokens(at_least)[k] != reference[k]
+
+
+def test_priority_argument(llama_dir):
+    llm = LLM(str(llama_dir), scheduling_policy="priority")
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a", "b", "c"], greedy(2), priority=[0, 1], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    outputs = llm.generate(["a", "b", "c"], greedy(2), priority=[2, 0, 1], use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["a", "b", "c"]
+    assert all(len(tokens(o)) == 2 for o in outputs)
+    # Lower value first: with one request at a time, "b" then "c" then "a" run.
+    llm = LLM(str(llama_dir), scheduling_policy="priority", max_num_seqs=1)
+    outputs = llm.generate(["a", "b", "c"], greedy(2), priority=[2, 0, 1], use_tqdm=False)
+    finish = [o.metrics.finished_time for o in outputs]
+    assert finish[1] < finish[2] < finish[0]
+
+
+def test_empty_prompt_list(llm):
+    assert llm.generate([], greedy(), use_tqdm=False) == []
+
+
+def test_generate_with_tqdm(llm, capsys):
+    outputs = llm.generate(["one", "two"], greedy(3), use_tqdm=True)
+    assert [len(tokens(o)) for o in outputs] == [3, 3]
+    assert "Processed prompts" in capsys.readouterr().err
+    # Same tokens as without the progress bar.
+    quiet = llm.generate(["one", "two"], greedy(3), use_tqdm=False)
+    assert [tokens(o) for o in quiet] == [tokens(o) for o in outputs]
