@@ -112,10 +112,29 @@ class BlockManager:
             self._touch(block_id)
         table.extend(computed.block_ids)
         table.extend(self._take_free_block() for _ in range(num_new))
-        if self.enable_prefix_caching:
-            total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
-            self._name_full_blocks(request, table, total)
         return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Name the request's blocks that are now full of computed tokens, so later requests
+        with the same prefix can share them. Called after the forward pass, never before: a
+        block named at allocation could be hit by another request although the step that was
+        to fill it never ran (its request preempted in the same schedule)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_named.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        keys = self._block_keys(request, num_full)
+        for i in range(start, num_full):
+            block_id = table[i]
+            if self.block_key[block_id] is None:
+                self.block_key[block_id] = keys[i]
+                self.cached.setdefault(keys[i], block_id)
+        self._num_named[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first.
@@ -160,20 +179,6 @@ class BlockManager:
             self.block_key[block_id] = None
         self.ref_cnt[block_id] = 1
         return block_id
-
-    def _name_full_blocks(self, request: Request, table: List[int], num_tokens: int) -> None:
-        """Register the blocks that will be full of known tokens after this step."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self._num_named.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        keys = self._block_keys(request, num_full)
-        for i in range(start, num_full):
-            block_id = table[i]
-            if self.block_key[block_id] is None:
-                self.block_key[block_id] = keys[i]
-                self.cached.setdefault(keys[i], block_id)
-        self._num_named[request.request_id] = num_full
 
     # ------------------------------------------------------------------- checks
     def check_invariants(self, live_request_ids: Sequence[str] = ()) -> None:

@@ -120,19 +120,20 @@ class LLMEngine:
             raise TypeError("priority must be an integer")
         if request_id is None:
             request_id = str(next(self._request_counter))
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
+                                                        for i in range(params.n)]
+        taken = [i for i in [request_id, *child_ids] if self.output_processor.has_request(i)
+                 or i in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         room = self.config.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))
         children = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = _child_params(params, index)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+        for index, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else _child_params(params, index)
             children.append(Request(child_id, token_ids, child_params,
                                     self.tokenizer.eos_token_ids, text, priority, arrival,
                                     max_tokens))

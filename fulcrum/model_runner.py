@@ -34,7 +34,8 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> Dict[str, SampledToken]:
         """Compute the step; return the new token of every chunk that reaches its end."""
-        self.sampler.forget(output.finished_request_ids + output.preempted_request_ids)
+        # A preempted request keeps its seeded generator: it resumes where it stopped.
+        self.sampler.forget(output.finished_request_ids)
         if output.is_empty:
             return {}
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens > 1)

@@ -272,6 +272,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
             request.append_token(sampled[chunk.request_id].token_id)

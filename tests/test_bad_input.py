@@ -138,9 +138,6 @@ def test_bad_request_between_good_ones_leaves_them_intact(llm):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.xfail(reason="BUG: LLMEngine.add_request registers an n>1 request's children "
-                   "(ids 'i_<id>') in the output processor before the scheduler refuses a "
-                   "clashing child id, hijacking the existing request's output", strict=True)
 def test_refused_n_gt_1_request_does_not_disturb_a_clashing_id(llm):
     engine = llm.llm_engine
     engine.add_request("0_x", ids(1, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True))

@@ -89,9 +89,6 @@ def test_n_completions_with_seed(llm):
     assert [tuple(c.token_ids) for c in other.outputs] != completions
 
 
-@pytest.mark.xfail(reason="BUG: a preempted request's seeded generator is dropped "
-                   "(ModelRunner.execute forgets preempted ids), so sampling restarts from the "
-                   "seed after recompute", strict=True)
 def test_seeded_sampling_survives_preemption(llama_dir):
     """A seeded request's tokens do not depend on the batch, preemption included."""
     prompts = [ids(range(1 + 40 * i, 35 + 40 * i)) for i in range(3)]

@@ -1,0 +1,191 @@
+"""IncrementalDetokenizer with the real tokenizers: split characters, stop strings, hold-back."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import pytest
+
+from fulcrum.detokenizer import IncrementalDetokenizer
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.tokenizer import Tokenizer
+
+TEXTS = ["héllo wörld 你好 🎉", "Once upon a time there was a cat.", "a  b\n\nc 🎉🎉 ü", "🎉"]
+
+
+@pytest.fixture(scope="module")
+def byte_tok(llama_dir) -> Tokenizer:
+    return Tokenizer(str(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def stories_tok(stories_dir) -> Tokenizer:
+    return Tokenizer(str(stories_dir))
+
+
+@pytest.fixture(params=["byte", "stories"])
+def tok(request) -> Tokenizer:
+    return request.getfixturevalue(f"{request.param}_tok")
+
+
+def feed(tokenizer: Tokenizer, ids: List[int], chunk: int = 1,
+         **params) -> Tuple[IncrementalDetokenizer, List[str], Optional[str]]:
+    """Feed ids `chunk` at a time until a stop string; (detokenizer, texts seen, stop)."""
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(**params))
+    seen = []
+    for i in range(0, len(ids), chunk):
+        stop = detok.update(ids[i:i + chunk])
+        seen.append(detok.output_text)
+        if stop is not None:
+            return detok, seen, stop
+    return detok, seen, None
+
+
+def encode(tokenizer: Tokenizer, text: str) -> List[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_byte_level_splits_multibyte_characters_across_tokens(byte_tok):
+    text = TEXTS[0]
+    ids = encode(byte_tok, text)
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte
+    detok, seen, stop = feed(byte_tok, ids)
+    assert stop is None
+    assert detok.output_text == byte_tok.decode(ids) == text
+    for partial in seen:
+        assert "\ufffd" not in partial
+        assert text.startswith(partial)
+    # The emoji is 4 byte tokens: no text appears for its first three.
+    assert seen[-4] == seen[-3] == seen[-2] == text[:-1]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_text_equals_full_decode(tok, text, chunk):
+    ids = encode(tok, text)
+    detok, seen, _ = feed(tok, ids, chunk=chunk)
+    full = tok.decode(ids)
+    assert detok.output_text == full
+    for partial in seen:
+        assert "\ufffd" not in partial
+        assert full.startswith(partial)
+
+
+def test_stories_byte_fallback_and_word_spaces(stories_tok):
+    ids = encode(stories_tok, TEXTS[0])
+    pieces = [stories_tok.id_to_token(i) for i in ids]
+    assert "<0xC3>" in pieces and "<0xF0>" in pieces  # byte fallback really used
+    detok, seen, _ = feed(stories_tok, ids)
+    # The SentencePiece leading space of the first token is dropped, later ones kept.
+    assert detok.output_text == TEXTS[0]
+    assert seen[pieces.index("▁w")] == "héllo w"
+    assert seen[pieces.index("<0xC3>")] == "héllo w"  # half of "ö": held
+    assert seen[pieces.index("<0xB6>")] == "héllo wö"
+
+
+def test_invalid_bytes_are_emitted_once_followed_by_valid_text(byte_tok):
+    lone_ff = byte_tok._tok.token_to_id("ÿ")  # the byte-level token of byte 0xFF
+    assert byte_tok.decode([lone_ff]) == "\ufffd"  # not valid UTF-8 on its own
+    ids = encode(byte_tok, "x") + [lone_ff] + encode(byte_tok, "ab")
+    detok, seen, _ = feed(byte_tok, ids)
+    assert detok.output_text == byte_tok.decode(ids)
+    assert seen[0] == "x"
+
+
+def test_special_tokens_skipped_or_kept(byte_tok):
+    ids = encode(byte_tok, "hi") + [257] + encode(byte_tok, "yo")
+    skipped, _, _ = feed(byte_tok, ids)
+    assert skipped.output_text == "hiyo"
+    kept, _, _ = feed(byte_tok, ids, skip_special_tokens=False)
+    assert kept.output_text == "hi<|im_start|>yo"
+
+
+# ------------------------------------------------------------------ stop strings
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_stop_string_split_across_tokens_is_truncated(tok, chunk):
+    text = "Once upon a time there was a cat."
+    ids = encode(tok, text)
+    stop_str = "e the"  # spans "▁time" / "▁there" in stories, five bytes in byte-level
+    detok, _, stop = feed(tok, ids, chunk=chunk, stop=[stop_str])
+    assert stop == stop_str
+    assert detok.output_text == "Once upon a tim"
+    kept, _, _ = feed(tok, ids, chunk=chunk, stop=[stop_str], include_stop_str_in_output=True)
+    assert kept.output_text == "Once upon a time the"
+
+
+def test_stop_inside_one_token_cuts_the_rest_of_it(stories_tok):
+    ids = encode(stories_tok, "hello world and more")
+    assert stories_tok.id_to_token(ids[6]) == "▁and"
+    detok, _, stop = feed(stories_tok, ids, stop=["an"])
+    assert stop == "an"
+    assert detok.output_text == "hello world "
+    kept, _, _ = feed(stories_tok, ids, stop=["an"], include_stop_str_in_output=True)
+    assert kept.output_text == "hello world an"
+
+
+def test_earliest_stop_string_wins(tok):
+    ids = encode(tok, "hello world and more")
+    detok, _, stop = feed(tok, ids, chunk=100, stop=["world", "lo"])
+    assert stop == "lo"
+    assert detok.output_text == "hel"
+
+
+def test_stop_string_at_the_very_start(tok):
+    detok, _, stop = feed(tok, encode(tok, "STOP and go"), stop=["STOP"])
+    assert stop == "STOP"
+    assert detok.output_text == ""
+
+
+def test_stop_string_with_multibyte_characters(byte_tok):
+    ids = encode(byte_tok, "say 你好 now")
+    detok, _, stop = feed(byte_tok, ids, stop=["你好"])
+    assert stop == "你好"
+    assert detok.output_text == "say "
+
+
+def test_no_stop_string_no_match(tok):
+    ids = encode(tok, "hello world")
+    detok, _, stop = feed(tok, ids, stop=["xyz"])
+    assert stop is None
+    assert detok.output_text == "hello world"
+
+
+# --------------------------------------------------------------------- hold-back
+def test_visible_text_never_shows_a_stop_string_prefix(tok):
+    text = "Once upon a time there was a cat."
+    ids = encode(tok, text)
+    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["there"]))
+    shown = []
+    for token in ids:
+        stop = detok.update([token])
+        shown.append(detok.visible_text(finished=stop is not None))
+        if stop:
+            break
+    final = "Once upon a time "
+    assert detok.output_text == final
+    assert shown[-1] == final
+    for text_shown in shown:
+        assert final.startswith(text_shown)  # nothing streamed that was later taken back
+    assert not any(t.endswith(("t", "th", "the", "ther")) and len(t) > len(final)
+                   for t in shown)
+
+
+def test_hold_back_releases_on_finish(tok):
+    ids = encode(tok, "hello world")
+    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["STOP"]))
+    detok.update(ids)
+    assert detok.visible_text(finished=False) == "hello wo"  # 3 = len("STOP") - 1 held
+    assert detok.visible_text(finished=True) == "hello world"
+
+
+def test_no_hold_back_without_stop_strings(tok):
+    ids = encode(tok, "hello world")
+    detok = IncrementalDetokenizer(tok, SamplingParams())
+    detok.update(ids)
+    assert detok.visible_text(finished=False) == "hello world"
+
+
+def test_single_character_stop_needs_no_hold_back(tok):
+    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["!"]))
+    detok.update(encode(tok, "hello"))
+    assert detok.visible_text(finished=False) == "hello"

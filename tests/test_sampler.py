@@ -1,0 +1,392 @@
+"""The sampler on crafted logits, and sampling behaviour end to end through LLM."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+from typing import List, Optional
+
+import pytest
+import torch
+
+from fulcrum import LLM
+from fulcrum.sampler import Sampler, SamplingRow
+from fulcrum.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+DRAWS = 2000
+
+
+def row(request_id: str = "r", prompt: Optional[List[int]] = None,
+        output: Optional[List[int]] = None, stop: Optional[List[int]] = None,
+        **params) -> SamplingRow:
+    prompt = [0] if prompt is None else prompt
+    return SamplingRow(request_id, SamplingParams(**params), prompt + list(output or []),
+                       len(prompt), list(stop or []))
+
+
+def log_probs(*probs: float) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def draw(logits: torch.Tensor, count: int = DRAWS, seed: int = 0, **params) -> Counter:
+    """Sample one distribution `count` times in one batch; counts of each token drawn."""
+    rows = [row(f"r{i}", **params) for i in range(count)]
+    tokens = Sampler(seed, CPU)(logits.expand(count, -1).clone(), rows)
+    return Counter(t.token_id for t in tokens)
+
+
+def greedy(logits: List[float], **params) -> int:
+    return Sampler(0, CPU)(torch.tensor([logits]), [row(temperature=0.0, **params)])[0].token_id
+
+
+# ------------------------------------------------------------ filtering masks
+def test_plain_sampling_reaches_every_token_in_proportion():
+    counts = draw(log_probs(0.5, 0.3, 0.15, 0.05))
+    assert set(counts) == {0, 1, 2, 3}
+    assert counts[0] / DRAWS == pytest.approx(0.5, abs=0.05)
+    assert counts[3] / DRAWS == pytest.approx(0.05, abs=0.025)
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = torch.tensor([0.1, 2.0, 0.3, 1.9, 1.8, -1.0, 0.0, 1.0])
+    counts = draw(logits, top_k=3)
+    assert set(counts) == {1, 3, 4}
+
+
+def test_top_p_keeps_smallest_nucleus_reaching_p():
+    logits = log_probs(0.5, 0.3, 0.15, 0.05)
+    assert set(draw(logits, top_p=0.7)) == {0, 1}
+    assert set(draw(logits, top_p=0.9)) == {0, 1, 2}
+    assert set(draw(logits, top_p=0.4)) == {0}  # the top token always stays
+
+
+def test_top_p_after_top_k_renormalises():
+    # top_k=2 leaves {0: 0.625, 1: 0.375}; top_p=0.6 of that is token 0 alone.
+    assert set(draw(log_probs(0.5, 0.3, 0.15, 0.05), top_k=2, top_p=0.6)) == {0}
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_top():
+    logits = log_probs(0.5, 0.3, 0.15, 0.05)
+    assert set(draw(logits, min_p=0.2)) == {0, 1, 2}  # threshold 0.1
+    assert set(draw(logits, min_p=0.5)) == {0, 1}  # threshold 0.25
+
+
+def test_filters_apply_per_row_in_a_mixed_batch():
+    logits = log_probs(0.4, 0.3, 0.2, 0.1).expand(600, -1).clone()
+    rows = [row(f"r{i}", top_k=1 + i % 3) for i in range(600)]
+    tokens = Sampler(0, CPU)(logits, rows)
+    for i, token in enumerate(tokens):
+        assert token.token_id < 1 + i % 3
+    assert {t.token_id for t in tokens} == {0, 1, 2}
+
+
+def test_low_temperature_concentrates_high_temperature_spreads():
+    logits = log_probs(0.4, 0.3, 0.2, 0.1)
+    cold = draw(logits, temperature=0.1)
+    hot = draw(logits, temperature=5.0)
+    assert cold[0] / DRAWS > 0.9
+    assert hot[3] / DRAWS > 0.15
+
+
+def test_greedy_is_argmax_per_row():
+    torch.manual_seed(1)
+    logits = torch.randn(16, 50)
+    rows = [row(f"r{i}", temperature=0.0) for i in range(16)]
+    tokens = [t.token_id for t in Sampler(0, CPU)(logits, rows)]
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_ignores_top_k_top_p_and_seed():
+    logits = [0.0, 3.0, 1.0]
+    assert greedy(logits, top_k=1, top_p=0.1, seed=3) == 1
+
+
+# ------------------------------------------------------------------ penalties
+def test_repetition_penalty_divides_positive_seen_logits():
+    logits = [2.0, 1.5, 0.0]
+    assert greedy(logits, prompt=[2]) == 0
+    assert greedy(logits, prompt=[0], repetition_penalty=2.0) == 1  # 2.0 -> 1.0
+    assert greedy(logits, prompt=[2], output=[0], repetition_penalty=2.0) == 1
+    assert greedy(logits, prompt=[0], repetition_penalty=1.2) == 0  # 2.0 -> 1.67 > 1.5
+
+
+def test_repetition_penalty_multiplies_negative_seen_logits():
+    logits = [-1.0, -1.5, -9.0]
+    # -1.0 * 2 = -2.0 < -1.5. Dividing it (the sign mistake) would give -0.5 and keep 0.
+    assert greedy(logits, prompt=[0], repetition_penalty=2.0) == 1
+
+
+def test_repetition_penalty_below_one_rewards_repeats():
+    logits = [1.0, 1.5, 0.0]
+    assert greedy(logits, prompt=[0], repetition_penalty=0.5) == 0  # 1.0 -> 2.0
+
+
+def test_frequency_penalty_scales_with_output_count_and_ignores_prompt():
+    logits = [3.0, 2.5, 0.0]
+    assert greedy(logits, output=[0], frequency_penalty=0.3) == 0  # 2.7
+    assert greedy(logits, output=[0, 0], frequency_penalty=0.3) == 1  # 2.4
+    assert greedy(logits, prompt=[0, 0, 0], frequency_penalty=2.0) == 0
+    assert greedy(logits, output=[1, 1], frequency_penalty=-1.0) == 1  # rewards repeats
+
+
+def test_presence_penalty_is_independent_of_count_and_ignores_prompt():
+    logits = [3.0, 2.5, 0.0]
+    assert greedy(logits, output=[0, 0, 0], presence_penalty=0.4) == 0  # 2.6, not 1.8
+    assert greedy(logits, output=[0], presence_penalty=0.6) == 1  # 2.4
+    assert greedy(logits, prompt=[0], presence_penalty=2.0) == 0
+
+
+def test_penalties_apply_per_row():
+    logits = torch.tensor([[3.0, 2.5, 0.0]] * 2)
+    rows = [row("a", output=[0], temperature=0.0, presence_penalty=1.0),
+            row("b", output=[0], temperature=0.0)]
+    assert [t.token_id for t in Sampler(0, CPU)(logits, rows)] == [1, 0]
+
+
+# ------------------------------------------------------------------ min_tokens
+def test_min_tokens_masks_stop_tokens_until_reached():
+    logits = [0.0, 1.0, 9.0, 8.0]
+    stop = [2, 3]
+    assert greedy(logits, output=[1], stop=stop, min_tokens=3, max_tokens=5) == 1
+    assert greedy(logits, output=[1, 1], stop=stop, min_tokens=3, max_tokens=5) == 1
+    assert greedy(logits, output=[1, 1, 1], stop=stop, min_tokens=3, max_tokens=5) == 2
+    assert greedy(logits, stop=stop) == 2
+
+
+def test_min_tokens_masks_in_random_sampling():
+    counts = draw(log_probs(0.45, 0.45, 0.1), stop=[0, 1], min_tokens=1)
+    assert set(counts) == {2}
+
+
+# ------------------------------------------------------------------- seeding
+def run_seeded(steps: int, batch_others: int, sampler_seed: int, seed: int = 1234) -> List[int]:
+    """Tokens of request "target" (seed `seed`) when it shares each step with others."""
+    generator = torch.Generator().manual_seed(99)
+    target_logits = [torch.randn(40, generator=generator) for _ in range(steps)]
+    sampler = Sampler(sampler_seed, CPU)
+    other_rows = [row(f"o{i}", seed=(i if i % 2 else None), temperature=0.8)
+                  for i in range(batch_others)]
+    out: List[int] = []
+    for step in range(steps):
+        target = row("target", output=out, seed=seed, temperature=1.0)
+        rows = other_rows[:batch_others // 2] + [target] + other_rows[batch_others // 2:]
+        logits = torch.randn(len(rows), 40)
+        position = batch_others // 2
+        logits[position] = target_logits[step]
+        tokens = sampler(logits, rows)
+        out.append(tokens[position].token_id)
+    return out
+
+
+def test_seeded_row_is_reproducible_regardless_of_batch():
+    alone = run_seeded(8, batch_others=0, sampler_seed=0)
+    crowded = run_seeded(8, batch_others=4, sampler_seed=7)
+    assert alone == crowded
+    assert len(set(alone)) > 1  # really sampled, not a constant
+    assert run_seeded(8, batch_others=0, sampler_seed=0, seed=4321) != alone
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = torch.zeros(1, 1000)
+    first = Sampler(5, CPU)(logits, [row()])[0].token_id
+    assert Sampler(5, CPU)(logits, [row()])[0].token_id == first
+    assert len({Sampler(s, CPU)(logits, [row()])[0].token_id for s in range(10)}) > 1
+
+
+def test_forget_restarts_a_requests_generator():
+    sampler = Sampler(0, CPU)
+    logits = torch.zeros(1, 1000)
+    first = [sampler(logits, [row(seed=3)])[0].token_id for _ in range(3)]
+    sampler.forget(["r"])
+    again = [sampler(logits, [row(seed=3)])[0].token_id for _ in range(3)]
+    assert first == again
+    assert len(set(first)) > 1
+
+
+# ------------------------------------------------------------------- logprobs
+def test_logprobs_report_rank_and_top_k_of_raw_distribution():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    raw = torch.log_softmax(logits[0], dim=-1)
+    result = Sampler(0, CPU)(logits, [row(temperature=0.0, logprobs=3)])[0]
+    assert result.token_id == 1
+    assert set(result.logprobs) == {1, 2, 0}
+    assert result.logprobs[1].rank == 1
+    assert result.logprobs[2].rank == 2
+    assert result.logprobs[0].rank == 3
+    for token, entry in result.logprobs.items():
+        assert entry.logprob == pytest.approx(raw[token].item(), abs=1e-6)
+
+
+def test_logprobs_of_a_penalised_choice_are_raw_with_true_rank():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    raw = torch.log_softmax(logits[0], dim=-1)
+    # Token 1 is seen and penalised (3.0 -> 0.75): greedy takes token 2, raw rank 2.
+    result = Sampler(0, CPU)(logits, [row(prompt=[1], temperature=0.0, repetition_penalty=4.0,
+                                          logprobs=1)])[0]
+    assert result.token_id == 2
+    assert set(result.logprobs) == {2, 1}
+    assert result.logprobs[2].rank == 2
+    assert result.logprobs[2].logprob == pytest.approx(raw[2].item(), abs=1e-6)
+    assert result.logprobs[1].rank == 1
+
+
+def test_logprobs_zero_returns_only_the_sampled_token_and_none_returns_nothing():
+    logits = torch.tensor([[0.0, 1.0, 2.0]] * 2)
+    rows = [row("a", temperature=0.0, logprobs=0), row("b", temperature=0.0)]
+    a, b = Sampler(0, CPU)(logits, rows)
+    assert list(a.logprobs) == [2]
+    assert a.logprobs[2].rank == 1
+    assert b.logprobs is None
+
+
+# ------------------------------------------------------------- end to end: LLM
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model runs far faster on one thread than on an oversubscribed pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), num_gpu_blocks_override=128, max_model_len=256)
+
+
+PROMPTS = ["The quick brown fox", "hello", "a b c d e f g", "0123456789", "zzz"]
+
+
+def completion(llm: LLM, prompt, **params):
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+
+
+def test_seed_reproducible_across_batch_compositions(llm):
+    params = SamplingParams(temperature=1.0, seed=2024, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.9, max_tokens=5 + 7 * i, ignore_eos=True,
+                             seed=(i if i % 2 else None)) for i in range(4)]
+    batch = llm.generate(PROMPTS[1:3] + [PROMPTS[0]] + PROMPTS[3:],
+                         others[:2] + [params] + others[2:], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    assert len(alone) == 20
+    other_seed = SamplingParams(temperature=1.0, seed=2025, max_tokens=20, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids \
+        != alone
+
+
+def test_stop_string_ends_request_and_is_excluded(llm):
+    full = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True)
+    text = full.text
+    k, stop = next((k, text[k:k + 2]) for k in range(3, len(text) - 2)
+                   if "\ufffd" not in text[k:k + 2] and text.find(text[k:k + 2]) == k)
+    cut = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True,
+                     stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.stop_reason == stop
+    assert cut.text == text[:k]
+    assert len(cut.token_ids) < len(full.token_ids)
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    kept = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True,
+                      stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[:k + len(stop)]
+    assert kept.finish_reason == "stop" and kept.stop_reason == stop
+
+
+def test_stop_token_id_ends_request(llm):
+    full = completion(llm, PROMPTS[1], temperature=0.0, max_tokens=30, ignore_eos=True)
+    ids = full.token_ids
+    i = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    cut = completion(llm, PROMPTS[1], temperature=0.0, max_tokens=30, ignore_eos=True,
+                     stop_token_ids=[ids[i]])
+    assert cut.finish_reason == "stop"
+    assert cut.stop_reason == ids[i]
+    assert cut.token_ids == ids[:i + 1]
+    before = completion(llm, PROMPTS[1], temperature=0.0, max_tokens=i, ignore_eos=True)
+    assert cut.text == before.text  # the stop token's own text is left out
+    assert full.finish_reason == "length" and full.stop_reason is None
+
+
+@pytest.fixture(scope="module")
+def eos_llm(llama_dir, llm, tmp_path_factory):
+    """The tiny llama with its greedy first token for PROMPTS[2] declared as an EOS id."""
+    first = completion(llm, PROMPTS[2], temperature=0.0, max_tokens=1, ignore_eos=True)
+    eos = first.token_ids[0]
+    folder = tmp_path_factory.mktemp("eos_llama")
+    for item in llama_dir.iterdir():
+        shutil.copy(item, folder / item.name)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return LLM(str(folder), num_gpu_blocks_override=64, max_model_len=256), eos
+
+
+def test_eos_stops_with_no_stop_reason(eos_llm):
+    model, eos = eos_llm
+    out = completion(model, PROMPTS[2], temperature=0.0, max_tokens=10)
+    assert out.token_ids == [eos]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason is None
+    assert out.text == ""
+
+
+def test_min_tokens_holds_off_eos(eos_llm):
+    model, eos = eos_llm
+    out = completion(model, PROMPTS[2], temperature=0.0, max_tokens=12, min_tokens=5)
+    assert len(out.token_ids) >= 5
+    assert eos not in out.token_ids[:5]
+    ignored = completion(model, PROMPTS[2], temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert ignored.token_ids[0] == eos and len(ignored.token_ids) == 6
+
+
+def test_n_returns_n_distinct_completions(llm):
+    out = llm.generate([PROMPTS[3]], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1
+    completions = out[0].outputs
+    assert [c.index for c in completions] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in completions)
+    assert len({tuple(c.token_ids) for c in completions}) == 3
+    again = llm.generate([PROMPTS[3]], SamplingParams(n=3, temperature=1.0, seed=11,
+                                                      max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in completions]
+
+
+def test_logprobs_through_llm_match_cumulative(llm):
+    out = completion(llm, PROMPTS[4], temperature=0.0, max_tokens=6, ignore_eos=True,
+                     logprobs=2)
+    assert len(out.logprobs) == 6
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token].rank == 1  # greedy picks the top token
+        assert 2 <= len(entry) <= 3
+        assert math.isfinite(entry[token].logprob) and entry[token].logprob <= 0
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+
+
+def preemption_run(llama_dir, params: SamplingParams):
+    """The request [5..9] with `params`, alone and behind an older greedy one in a KV cache
+    too small for both (8 blocks of 4 tokens; each grows to 29 tokens), which preempts it."""
+    alone = LLM(str(llama_dir), max_model_len=32, block_size=4, num_gpu_blocks_override=32)
+    solo = alone.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)[0]
+    tight = LLM(str(llama_dir), max_model_len=32, block_size=4, num_gpu_blocks_override=9)
+    older = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    crowded = tight.generate([[1, 2, 3, 4, 10], [5, 6, 7, 8, 9]], [older, params],
+                             use_tqdm=False)[1]
+    return solo, crowded
+
+
+def test_preempted_greedy_request_matches_its_solo_run(llama_dir):
+    solo, crowded = preemption_run(
+        llama_dir, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert crowded.metrics.num_preemptions >= 1
+    assert crowded.outputs[0].token_ids == solo.outputs[0].token_ids
+
+
+def test_preempted_seeded_request_matches_its_solo_run(llama_dir):
+    solo, crowded = preemption_run(
+        llama_dir, SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True))
+    assert crowded.outputs[0].token_ids == solo.outputs[0].token_ids
