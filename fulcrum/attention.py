@@ -49,6 +49,15 @@ class AttentionMetadata:
     sliding_window: int = 0  # 0: none
 
 
+def key_slots(k_cache: torch.Tensor) -> torch.Tensor:
+    """The key cache [blocks, kv_heads, head_dim, block_size] seen as [blocks, block_size,
+    kv_heads, head_dim], the value cache's layout, so both index alike by (block, offset).
+
+    Keys are stored head_dim-major within a block so that a decode kernel computes a block's
+    scores as contiguous vector operations over its tokens."""
+    return k_cache.permute(0, 3, 1, 2)
+
+
 class AttentionBackend(ABC):
     # Whether decodes read padding slots and mask them out: then the runner builds
     # decode_mask and the cache is zeroed, since masked garbage could still be NaN.
@@ -58,17 +67,16 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [blocks, block_size, Hkv, D]. -> [T, Hq, D]"""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches as in `key_slots`. -> [T, Hq, D]"""
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Portable backend on torch's scaled_dot_product_attention (any device, any dtype)."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
+        block_size = v_cache.shape[1]
+        v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        key_slots(k_cache)[meta.slot_mapping // block_size, meta.slot_mapping % block_size] = k
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -79,7 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
             if span.context_slots is None:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = k_flat[span.context_slots], v_flat[span.context_slots]
+                slots = span.context_slots
+                keys = key_slots(k_cache)[slots // block_size, slots % block_size]
+                values = v_flat[slots]
             # 4-D inputs: torch's CPU flash-attention kernel takes only those (3-D falls back
             # to the unfused math path, 2-3x slower).
             out[rows] = F.scaled_dot_product_attention(
@@ -93,9 +103,11 @@ class TorchAttentionBackend(AttentionBackend):
         """Single-token queries: gather whole context blocks, one batched SDPA call."""
         tables = meta.decode_block_tables
         num_seqs, num_blocks = tables.shape
-        shape = (num_seqs, -1, k_cache.shape[2], k_cache.shape[3])
-        keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        _, block_size, num_kv_heads, head_dim = v_cache.shape
+        keys = key_slots(k_cache.index_select(0, tables.flatten())).reshape(
+            num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, tables.flatten()).view(
+            num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)

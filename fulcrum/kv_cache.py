@@ -8,6 +8,9 @@ at `CPU_KV_CACHE_CAP_BYTES` (4 GiB, as vLLM's CPU backend defaults to) and at wh
 `max_num_seqs` requests of `max_model_len` tokens could ever use. `kv_cache_memory_bytes`
 sets the size exactly and overrides both.
 
+Layouts (see attention.py): keys [blocks, kv_heads, head_dim, block_size], values
+[blocks, block_size, kv_heads, head_dim].
+
 Block 0 is the null block: it is zeroed, never handed to a request, and padded block-table
 entries point at it.
 """
@@ -87,12 +90,13 @@ def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
                        zeroed: bool) -> List[KVCache]:
     """Per-layer (key, value) tensors. Unzeroed memory is only committed as blocks get used,
     which is right for a backend that never reads a slot before writing it."""
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    k_shape = (num_blocks, spec.num_kv_heads, spec.head_dim, block_size)
+    v_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     make = torch.zeros if zeroed else torch.empty
     caches = []
     for _ in range(spec.num_layers):
-        k = make(shape, dtype=dtype, device=device)
-        v = make(shape, dtype=dtype, device=device)
+        k = make(k_shape, dtype=dtype, device=device)
+        v = make(v_shape, dtype=dtype, device=device)
         k[NULL_BLOCK].zero_()
         v[NULL_BLOCK].zero_()
         caches.append((k, v))

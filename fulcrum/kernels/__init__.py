@@ -92,11 +92,11 @@ def supports(dtype: torch.dtype, group_size: int, head_dim: int, block_size: int
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int) -> torch.Tensor:
-    """q: [B, Hq, D] (one token per sequence); caches [blocks, block_size, Hkv, D]."""
+    """q: [B, Hq, D], one token per sequence; caches in attention.py's layouts."""
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
     getattr(paged_attention(), _ENTRY[q.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,

@@ -1,7 +1,7 @@
 // Paged attention for single-token queries (decodes) on CPU.
 //
-// Reads each key and value once, straight from the block tables, with an online softmax:
-// no gathered copy of the context is ever made. One work item is one (sequence, KV head)
+// Reads each key and value once, straight from the block tables, one block at a time with
+// an online softmax: no gathered copy of the context is ever made. One work item is one (sequence, KV head)
 // pair; the query heads that share that KV head (GQA) are processed together, so each key
 // and value loaded serves all of them. Built at first use by fulcrum/kernels/__init__.py.
 #include <algorithm>
@@ -47,6 +47,9 @@ inline void store_row(const float* src, uint16_t* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+// Key cache: [blocks, kv_heads, head_dim, block_size], so the keys of one block and head are
+// a [head_dim][block_size] tile: a block's scores are head_dim vector FMAs over its tokens.
+// Value cache: [blocks, block_size, kv_heads, head_dim], a token's values one contiguous row.
 template <typename T>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t context_len, T* out, int kv_head, int num_kv_heads, int group,
@@ -66,30 +69,34 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     running_max[g] = -1e30f;
     running_sum[g] = 0.f;
   }
-  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
-  int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-  for (int64_t t = start; t < context_len;) {
-    const int64_t offset = t % block_size;
-    const int n = static_cast<int>(std::min<int64_t>(block_size - offset, context_len - t));
-    const int64_t base = (table[t / block_size] * block_size + offset) * token_stride +
-                         static_cast<int64_t>(kv_head) * head_dim;
-    for (int j = 0; j < n; ++j) {
-      load_row(k_cache + base + j * token_stride, row, head_dim);
+  const int64_t k_block_stride = static_cast<int64_t>(num_kv_heads) * head_dim * block_size;
+  const int64_t v_token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  for (int64_t b = start / block_size; b * block_size < context_len; ++b) {
+    const int j0 = b == start / block_size ? static_cast<int>(start % block_size) : 0;
+    const int j1 = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+    const T* keys = k_cache + table[b] * k_block_stride +
+                    static_cast<int64_t>(kv_head) * head_dim * block_size;
+    const T* values = v_cache + table[b] * block_size * v_token_stride +
+                      static_cast<int64_t>(kv_head) * head_dim;
+    for (int g = 0; g < group; ++g)
+      for (int j = j0; j < j1; ++j) scores[g][j] = 0.f;
+    for (int d = 0; d < head_dim; ++d) {
+      load_row(keys + d * block_size + j0, row + j0, j1 - j0);
       for (int g = 0; g < group; ++g) {
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < head_dim; ++d) dot += query[g][d] * row[d];
-        scores[g][j] = dot;
+        const float qd = query[g][d];
+#pragma omp simd
+        for (int j = j0; j < j1; ++j) scores[g][j] += qd * row[j];
       }
     }
     for (int g = 0; g < group; ++g) {
       float tile_max = running_max[g];
-      for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[g][j]);
+      for (int j = j0; j < j1; ++j) tile_max = std::max(tile_max, scores[g][j]);
       const float correction = std::exp(running_max[g] - tile_max);
       running_max[g] = tile_max;
       float tile_sum = 0.f;
 #pragma omp simd reduction(+ : tile_sum)
-      for (int j = 0; j < n; ++j) {
+      for (int j = j0; j < j1; ++j) {
         scores[g][j] = std::exp(scores[g][j] - tile_max);
         tile_sum += scores[g][j];
       }
@@ -97,15 +104,14 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 #pragma omp simd
       for (int d = 0; d < head_dim; ++d) acc[g][d] *= correction;
     }
-    for (int j = 0; j < n; ++j) {
-      load_row(v_cache + base + j * token_stride, row, head_dim);
+    for (int j = j0; j < j1; ++j) {
+      load_row(values + j * v_token_stride, row, head_dim);
       for (int g = 0; g < group; ++g) {
         const float p = scores[g][j];
 #pragma omp simd
         for (int d = 0; d < head_dim; ++d) acc[g][d] += p * row[d];
       }
     }
-    t += n;
   }
   for (int g = 0; g < group; ++g) {
     const float inv = 1.f / running_sum[g];
