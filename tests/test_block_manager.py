@@ -16,13 +16,19 @@ def make_request(request_id: str, tokens, max_tokens: int = 8) -> Request:
                    max_tokens=max_tokens)
 
 
+def compute(kv: BlockManager, request: Request, num_tokens: int) -> None:
+    """What a forward pass over the request's tokens up to `num_tokens` leaves behind."""
+    request.num_computed_tokens = num_tokens
+    kv.cache_computed_blocks(request)
+
+
 def admit(kv: BlockManager, request: Request) -> int:
     """Admit a request as the scheduler does: share its hits, allocate the rest of the prompt,
-    and mark the whole prompt computed. Returns the number of prefix-cache hit tokens."""
+    and compute the whole prompt. Returns the number of prefix-cache hit tokens."""
     computed = kv.get_computed_blocks(request)
     remaining = request.num_tokens - computed.num_tokens
     assert kv.allocate_slots(request, remaining, computed)
-    request.num_computed_tokens = request.num_tokens
+    compute(kv, request, request.num_tokens)
     return computed.num_tokens
 
 
@@ -144,6 +150,28 @@ def test_hash_chain_requires_identical_prefix(kv):
     computed = kv.get_computed_blocks(partial)
     assert computed.num_tokens == 4
     assert computed.block_ids == kv.block_table("a")[:1]
+
+
+def test_blocks_are_named_only_once_computed(kv):
+    a = make_request("a", range(13))
+    assert kv.allocate_slots(a, 13)
+    probe = make_request("p", list(range(12)) + [99])
+    assert kv.get_computed_blocks(probe).num_tokens == 0  # allocated, not yet computed
+    compute(kv, a, 6)  # a first chunk: one full block
+    assert kv.get_computed_blocks(probe).num_tokens == 4
+    compute(kv, a, 13)
+    assert kv.get_computed_blocks(probe).num_tokens == 12
+    kv.check_invariants(live(a))
+
+
+def test_blocks_freed_before_being_computed_never_hit(kv):
+    # A request preempted in the step that allocated its blocks never computes them.
+    a = make_request("a", range(9))
+    assert kv.allocate_slots(a, 9)
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("b", range(9))).num_tokens == 0
+    assert not kv.cached
+    kv.check_invariants()
 
 
 def test_no_hits_without_prefix_caching():
@@ -288,10 +316,12 @@ def test_duplicate_content_is_cached_once_and_both_tables_stay_valid(kv):
     # before the first named its blocks) each own separate copies.
     a = make_request("a", range(9))
     b = make_request("b", range(9))
-    ca = kv.get_computed_blocks(a)
-    cb = kv.get_computed_blocks(b)
-    assert kv.allocate_slots(a, 9, ca)
-    assert kv.allocate_slots(b, 9 - cb.num_tokens, cb)
+    assert kv.allocate_slots(a, 9)
+    assert kv.allocate_slots(b, 9)
+    compute(kv, a, 9)
+    compute(kv, b, 9)
+    assert kv.get_computed_blocks(make_request("p", range(9))).block_ids == \
+        kv.block_table("a")[:2]  # the first to be computed names the content
     kv.check_invariants(live(a, b))
     kv.free(a)
     kv.check_invariants(live(b))
