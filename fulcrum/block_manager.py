@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from fulcrum.request import Request
 
@@ -112,29 +112,20 @@ class BlockManager:
             self._touch(block_id)
         table.extend(computed.block_ids)
         table.extend(self._take_free_block() for _ in range(num_new))
+        if self.enable_prefix_caching:
+            total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+            self._name_full_blocks(request, table, total)
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Name the request's blocks that are now full of computed tokens, so later requests
-        with the same prefix can share them. Called after the forward pass, never before: a
-        block named at allocation could be hit by another request although the step that was
-        to fill it never ran (its request preempted in the same schedule)."""
-        if not self.enable_prefix_caching:
-            return
-        table = self.block_tables.get(request.request_id)
-        if table is None:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        start = self._num_named.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        keys = self._block_keys(request, num_full)
-        for i in range(start, num_full):
-            block_id = table[i]
-            if self.block_key[block_id] is None:
-                self.block_key[block_id] = keys[i]
-                self.cached.setdefault(keys[i], block_id)
-        self._num_named[request.request_id] = num_full
+    def uncomputed_shared_blocks(self, request: Request) -> Set[int]:
+        """Blocks named for this step's tokens, not computed yet, that another request holds.
+
+        Naming a block when it is allocated lets a request admitted in the same step share it
+        (the forward pass writes keys before any attention reads them). If the request that
+        was to compute it is then preempted in that step, the sharers must go too."""
+        table = self.block_tables.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        return {b for b in table[first:] if self.block_key[b] is not None and self.ref_cnt[b] > 1}
 
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first.
@@ -144,7 +135,11 @@ class BlockManager:
         """
         table = self.block_tables.pop(request.request_id, [])
         self._num_named.pop(request.request_id, None)
-        for block_id in reversed(table):
+        first_uncomputed = request.num_computed_tokens // self.block_size
+        for index in range(len(table) - 1, -1, -1):
+            block_id = table[index]
+            if index >= first_uncomputed:
+                self._unname(block_id)  # named for a step that will not run
             self.ref_cnt[block_id] -= 1
             assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_cnt[block_id] == 0:
@@ -172,13 +167,30 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
+        self._unname(block_id)
+        self.ref_cnt[block_id] = 1
+        return block_id
+
+    def _unname(self, block_id: int) -> None:
         key = self.block_key[block_id]
         if key is not None:
             if self.cached.get(key) == block_id:
                 del self.cached[key]
             self.block_key[block_id] = None
-        self.ref_cnt[block_id] = 1
-        return block_id
+
+    def _name_full_blocks(self, request: Request, table: List[int], num_tokens: int) -> None:
+        """Register the blocks that will be full of known tokens after this step."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_named.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        keys = self._block_keys(request, num_full)
+        for i in range(start, num_full):
+            block_id = table[i]
+            if self.block_key[block_id] is None:
+                self.block_key[block_id] = keys[i]
+                self.cached.setdefault(keys[i], block_id)
+        self._num_named[request.request_id] = num_full
 
     # ------------------------------------------------------------------- checks
     def check_invariants(self, live_request_ids: Sequence[str] = ()) -> None:

@@ -226,6 +226,7 @@ class Scheduler:
         return max(self.running, key=self.policy.key, default=None)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        shared = self.kv.uncomputed_shared_blocks(request)
         self.running.remove(request)
         self.kv.free(request)
         plan.drop(request)
@@ -235,6 +236,13 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
         self._enqueue(request)
+        if shared:
+            # Requests admitted this step with prefix hits on blocks this one was to compute.
+            bs = self.kv.block_size
+            for other in list(plan.tokens):
+                hits = self.kv.block_table(other.request_id)[:other.num_computed_tokens // bs]
+                if shared.intersection(hits):
+                    self._preempt(other, plan)
 
     # ------------------------------------------------------------------ output
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
@@ -272,7 +280,6 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
             request.append_token(sampled[chunk.request_id].token_id)

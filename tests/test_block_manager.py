@@ -19,7 +19,6 @@ def make_request(request_id: str, tokens, max_tokens: int = 8) -> Request:
 def compute(kv: BlockManager, request: Request, num_tokens: int) -> None:
     """What a forward pass over the request's tokens up to `num_tokens` leaves behind."""
     request.num_computed_tokens = num_tokens
-    kv.cache_computed_blocks(request)
 
 
 def admit(kv: BlockManager, request: Request) -> int:
@@ -152,16 +151,19 @@ def test_hash_chain_requires_identical_prefix(kv):
     assert computed.block_ids == kv.block_table("a")[:1]
 
 
-def test_blocks_are_named_only_once_computed(kv):
+def test_blocks_are_named_when_allocated_so_the_same_step_can_share_them(kv):
     a = make_request("a", range(13))
-    assert kv.allocate_slots(a, 13)
+    assert kv.allocate_slots(a, 13)  # the step that computes them has not run yet
     probe = make_request("p", list(range(12)) + [99])
-    assert kv.get_computed_blocks(probe).num_tokens == 0  # allocated, not yet computed
-    compute(kv, a, 6)  # a first chunk: one full block
-    assert kv.get_computed_blocks(probe).num_tokens == 4
+    hits = kv.get_computed_blocks(probe)
+    assert hits.num_tokens == 12
+    assert kv.allocate_slots(probe, 1, hits)
+    probe.num_computed_tokens = hits.num_tokens
+    # If "a" is now preempted before its step runs, "p" holds blocks nobody will compute.
+    assert kv.uncomputed_shared_blocks(a) == set(kv.block_table("a")[:3])
     compute(kv, a, 13)
-    assert kv.get_computed_blocks(probe).num_tokens == 12
-    kv.check_invariants(live(a))
+    assert kv.uncomputed_shared_blocks(a) == set()
+    kv.check_invariants(live(a, probe))
 
 
 def test_blocks_freed_before_being_computed_never_hit(kv):
