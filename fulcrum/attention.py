@@ -76,8 +76,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         block_size = v_cache.shape[1]
         v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-        key_slots(k_cache)[meta.slot_mapping // block_size, meta.slot_mapping % block_size] = k
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        key_slots(k_cache)[blocks, offsets] = k.to(k_cache.dtype)
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta,
@@ -88,8 +89,8 @@ class TorchAttentionBackend(AttentionBackend):
                 keys, values = k[rows], v[rows]
             else:
                 slots = span.context_slots
-                keys = key_slots(k_cache)[slots // block_size, slots % block_size]
-                values = v_flat[slots]
+                keys = key_slots(k_cache)[slots // block_size, slots % block_size].to(q.dtype)
+                values = v_flat[slots].to(q.dtype)
             # 4-D inputs: torch's CPU flash-attention kernel takes only those (3-D falls back
             # to the unfused math path, 2-3x slower).
             out[rows] = F.scaled_dot_product_attention(
@@ -108,6 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, tables.flatten()).view(
             num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         return F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
@@ -130,9 +132,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                                               meta.sliding_window)
 
 
-def make_backend(device: torch.device, dtype: torch.dtype, group_size: int, head_dim: int,
-                 block_size: int) -> AttentionBackend:
-    """The fastest backend that handles this device, dtype and shape."""
-    if device.type == "cpu" and kernels.supports(dtype, group_size, head_dim, block_size):
+def make_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 group_size: int, head_dim: int, block_size: int) -> AttentionBackend:
+    """The fastest backend that handles this device, dtypes and shape."""
+    if device.type == "cpu" and kernels.supports(dtype, cache_dtype, group_size, head_dim,
+                                                 block_size):
         return CpuPagedAttentionBackend()
     return TorchAttentionBackend()

@@ -44,6 +44,7 @@ class EngineConfig:
     batching_mode: BatchingMode = "continuous"
     # KV cache.
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None

@@ -56,15 +56,19 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.tokenizer or model_dir)
+        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                               else resolve_dtype(config.kv_cache_dtype, hf_config))
         spec = model_class(hf_config).spec_from_config(hf_config)
-        backend = make_backend(self.device, self.dtype, spec.num_heads // spec.num_kv_heads,
-                               spec.head_dim, self.config.block_size)
+        backend = make_backend(self.device, self.dtype, self.kv_cache_dtype,
+                               spec.num_heads // spec.num_kv_heads, spec.head_dim,
+                               self.config.block_size)
         model = load_model(model_dir, hf_config, self.dtype, self.device, backend, load_format,
                            config.seed)
         self.vocab_size = model.spec.vocab_size
-        num_blocks = num_kv_blocks(self.config, model.spec, self.dtype, self.device)
-        caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size, self.dtype,
-                                    self.device, zeroed=backend.reads_padding)
+        num_blocks = num_kv_blocks(self.config, model.spec, self.kv_cache_dtype, self.device)
+        caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size,
+                                    self.kv_cache_dtype, self.device,
+                                    zeroed=backend.reads_padding)
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)

@@ -30,6 +30,8 @@ _HELP = {
     "scheduling_policy": "fcfs or priority (lower value first; may preempt)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",
     "block_size": "tokens per KV-cache block",
+    "kv_cache_dtype": "auto (the model's dtype), float32, bfloat16 or float16: bfloat16 halves "
+                      "the cache's memory and the decode attention's memory traffic",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "gpu_memory_utilization": "CUDA: fraction of device memory; CPU: fraction of available "
                               "RAM for the KV cache (capped at 4 GiB)",

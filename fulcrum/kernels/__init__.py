@@ -72,21 +72,24 @@ def paged_attention() -> Optional[ctypes.CDLL]:
         logger.warning("could not build the CPU attention kernel (%s): using torch", detail)
         return None
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+    for name in _ENTRY.values():
         function = getattr(library, name)
         function.restype = i32
         function.argtypes = [pointer] * 6 + [i32] * 6 + [f32, i32, i32]
     return library
 
 
-_ENTRY = {torch.float32: "paged_decode_attention_f32",
-          torch.bfloat16: "paged_decode_attention_bf16"}
+# (query dtype, cache dtype) -> entry point.
+_ENTRY = {(torch.float32, torch.float32): "paged_decode_attention_f32_f32",
+          (torch.float32, torch.bfloat16): "paged_decode_attention_f32_bf16",
+          (torch.bfloat16, torch.bfloat16): "paged_decode_attention_bf16_bf16"}
 
 
-def supports(dtype: torch.dtype, group_size: int, head_dim: int, block_size: int) -> bool:
+def supports(dtype: torch.dtype, cache_dtype: torch.dtype, group_size: int, head_dim: int,
+             block_size: int) -> bool:
     """Whether the kernel can run this case (its stack buffers bound the shape)."""
-    return (dtype in _ENTRY and group_size <= 16 and head_dim <= 256 and block_size <= 128
-            and paged_attention() is not None)
+    return ((dtype, cache_dtype) in _ENTRY and group_size <= 16 and head_dim <= 256
+            and block_size <= 128 and paged_attention() is not None)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,7 +100,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = v_cache.shape
-    getattr(paged_attention(), _ENTRY[q.dtype])(
+    getattr(paged_attention(), _ENTRY[q.dtype, k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale, window, torch.get_num_threads())

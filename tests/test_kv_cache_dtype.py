@@ -1,0 +1,48 @@
+"""kv_cache_dtype: a bfloat16 cache under a float32 model, on the native and the torch path."""
+
+import json
+
+import pytest
+import torch
+
+from fulcrum import LLM, SamplingParams
+from fulcrum import kernels as native
+
+
+@pytest.fixture(params=["native", "torch"])
+def attention_path(request, monkeypatch):
+    """Run a test on the native decode kernel and on the portable torch path."""
+    if request.param == "torch":
+        monkeypatch.setenv("FULCRUM_DISABLE_KERNELS", "1")
+    native.paged_attention.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    native.paged_attention.cache_clear()
+
+
+def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, attention_path):
+    cases = json.loads((stories_dir / "greedy_reference.json").read_text())["cases"]
+    llm = LLM(str(stories_dir), kv_cache_dtype="bfloat16", max_num_batched_tokens=16,
+              max_num_seqs=4)
+    engine = llm.llm_engine
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert engine.dtype == torch.float32
+    backend = engine.runner.model.model.layers[0].self_attn.backend
+    assert type(backend).__name__ == ("CpuPagedAttentionBackend" if attention_path == "native"
+                                      else "TorchAttentionBackend")
+    outputs = llm.generate([c["prompt"] for c in cases],
+                           SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [c["greedy_token_ids"] for c in cases]
+
+
+def test_bfloat16_cache_holds_twice_the_blocks(stories_dir):
+    budget = 1 << 20
+    full = LLM(str(stories_dir), kv_cache_memory_bytes=budget).llm_engine
+    half = LLM(str(stories_dir), kv_cache_memory_bytes=budget,
+               kv_cache_dtype="bfloat16").llm_engine
+    assert half.block_manager.num_blocks == 2 * full.block_manager.num_blocks
+
+
+def test_unknown_cache_dtype_is_refused(stories_dir):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(stories_dir), kv_cache_dtype="fp4")
