@@ -22,10 +22,11 @@ _HELP = {
                    "(random weights from config.json alone)",
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",
     "max_num_seqs": "most requests running at once (default 256, at most the token budget)",
-    "max_num_batched_tokens": "token budget of one step (default 2048)",
+    "max_num_batched_tokens": "token budget of one step (default 512)",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
-    "long_prefill_token_threshold": "most tokens of one prompt in one step (0: 4%% of "
-                                    "max_model_len when max_num_partial_prefills > 1, else none)",
+    "long_prefill_token_threshold": "most tokens of one prompt in one step (default: half the "
+                                    "budget; 0: vLLM's rule, 4%% of max_model_len when "
+                                    "max_num_partial_prefills > 1, else no cap)",
     "max_num_partial_prefills": "most prompts part-way through prefill at once",
     "scheduling_policy": "fcfs or priority (lower value first; may preempt)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",

@@ -24,6 +24,7 @@ class Sim:
 
     def __init__(self, num_blocks: int = 200, block_size: int = 4, prefix_caching: bool = True,
                  model_max_len: int = MODEL_MAX_LEN, **config) -> None:
+        config.setdefault("long_prefill_token_threshold", 0)  # vLLM's meaning: no cap
         self.config = EngineConfig(block_size=block_size, **config).resolve(model_max_len)
         self.kv = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.config, self.kv)
@@ -191,9 +192,18 @@ def test_long_prefill_token_threshold_caps_one_prompts_chunk():
 
 
 def test_auto_threshold_with_several_partial_prefills():
-    config = EngineConfig(max_num_partial_prefills=2).resolve(1000)
-    assert config.long_prefill_token_threshold == 40  # 4% of max_model_len
-    assert EngineConfig().resolve(1000).long_prefill_token_threshold == 0
+    config = EngineConfig(max_num_partial_prefills=2, long_prefill_token_threshold=0).resolve(1000)
+    assert config.long_prefill_token_threshold == 40  # vLLM's rule: 4% of max_model_len
+    assert EngineConfig(long_prefill_token_threshold=0).resolve(1000) \
+        .long_prefill_token_threshold == 0
+
+
+def test_default_threshold_is_half_the_budget_with_chunked_prefill():
+    assert EngineConfig().resolve(1000).long_prefill_token_threshold == 256
+    assert EngineConfig(max_num_batched_tokens=100).resolve(1000) \
+        .long_prefill_token_threshold == 50
+    assert EngineConfig(enable_chunked_prefill=False).resolve(1000) \
+        .long_prefill_token_threshold == 0
 
 
 def partway(sim: Sim, out: SchedulerOutput) -> List[str]:
