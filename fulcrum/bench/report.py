@@ -178,8 +178,10 @@ def _metrics(workload: str, reports: Dict[str, Any],
             for heading, path in COLUMNS[workload]}
 
 
-def serve_runs(base_url: str, timed: Dict[str, Schedule], repeats: int) -> Dict[str, Any]:
-    """Warm up, then each workload `repeats` times: {workload: [{metrics, reports}, ...]}."""
+def serve_runs(base_url: str, repeats: List[Dict[str, Schedule]]) -> Dict[str, Any]:
+    """Warm up, then each workload once per repeat: {workload: [{metrics, reports}, ...]}.
+
+    Each repeat has its own prompts: repeating the same ones would measure the prefix cache."""
     from fulcrum.bench.serve import make_client, run_load, served_model
 
     async def main() -> Dict[str, Any]:
@@ -189,9 +191,10 @@ def serve_runs(base_url: str, timed: Dict[str, Schedule], repeats: int) -> Dict[
             warmup = [(0.0, SampleRequest(list(range(16)), 16, 4))] * 2
             await run_load(client, url, model, warmup, show_progress=False)
             runs: Dict[str, Any] = {}
-            for name, load in timed.items():
+            for name in repeats[0]:
                 runs[name] = []
-                for _ in range(repeats):
+                for timed in repeats:
+                    load = timed[name]
                     timelines, duration = await run_load(client, url, model, load,
                                                          show_progress=False)
                     reports = report_by_group(timelines, duration)
@@ -206,16 +209,16 @@ def serve_runs(base_url: str, timed: Dict[str, Schedule], repeats: int) -> Dict[
     return asyncio.run(main())
 
 
-def hf_runs(model_dir: str, dummy: bool, load: Schedule, repeats: int) -> Dict[str, Any]:
+def hf_runs(model_dir: str, dummy: bool, loads: List[Schedule]) -> Dict[str, Any]:
     """HF generate on the throughput workload, each run in a fresh process."""
     import torch
 
     from fulcrum.bench.hf_baseline import measure_hf
     from fulcrum.bench.throughput import run_isolated
 
-    requests = [request for _, request in load]
     runs = []
-    for _ in range(repeats):
+    for load in loads:
+        requests = [request for _, request in load]
         result = run_isolated(measure_hf, model_dir, getattr(torch, FULCRUM_DTYPE), "cpu",
                               requests, HF_BATCH, dummy)
         metrics = dict(zip([h for h, _ in COLUMNS["throughput"]], [
@@ -371,7 +374,7 @@ def run_report(args: argparse.Namespace) -> int:
     scale = QUICK if args.quick else FULL
     model_dir = args.model or shape_dir(DEFAULT_SHAPE)
     dummy = args.model is None
-    timed = workloads(scale)
+    timed = [workloads(scale, seed) for seed in range(args.repeats)]
     version = vllm_version()
     if "vllm" in engines and version is None:
         engines.remove("vllm")
@@ -385,12 +388,12 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"[{engine}]", flush=True)
         try:
             if engine == "hf":
-                runs = hf_runs(model_dir, dummy, timed["throughput"], args.repeats)
+                runs = hf_runs(model_dir, dummy, [t["throughput"] for t in timed])
             else:
                 port = _free_port()
                 command = server_command(engine, model_dir, dummy, port, scale.max_model_len)
                 with running_server(command, port) as base_url:
-                    runs = serve_runs(base_url, timed, args.repeats)
+                    runs = serve_runs(base_url, timed)
         except RuntimeError as error:
             results[engine] = {"error": str(error)}
             print(f"  failed: {error}", flush=True)
