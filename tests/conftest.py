@@ -64,6 +64,15 @@ def llama_dir(model_dirs) -> Path:
     return model_dirs["llama"]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run far faster on one thread than on an oversubscribed pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     if not STORIES_DIR.is_dir():

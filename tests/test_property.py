@@ -10,27 +10,19 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fulcrum import LLM
 from fulcrum.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_MODEL_LEN = 48
 MAX_PROMPT = 32
 MAX_TOKENS = 16  # MAX_PROMPT + MAX_TOKENS <= MAX_MODEL_LEN: max_tokens is never clamped
 SHARED_PREFIX = [(7 * i + 3) % 250 for i in range(MAX_PROMPT)]
 SEEDS = (None, 1, 2)  # None: greedy
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model runs far faster on one thread than on an oversubscribed pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Reference:

@@ -15,6 +15,8 @@ from fulcrum import LLM
 from fulcrum.sampler import Sampler, SamplingRow
 from fulcrum.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CPU = torch.device("cpu")
 DRAWS = 2000
 
@@ -243,15 +245,6 @@ def test_logprobs_zero_returns_only_the_sampled_token_and_none_returns_nothing()
 
 
 # ------------------------------------------------------------- end to end: LLM
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model runs far faster on one thread than on an oversubscribed pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def llm(llama_dir) -> LLM:
     return LLM(str(llama_dir), num_gpu_blocks_override=128, max_model_len=256)
