@@ -4,17 +4,15 @@ against a live `fulcrum serve` on a tiny model (loopback only)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from fulcrum.bench.datasets import SampleRequest
+from fulcrum.bench.report import free_port, running_server
 from fulcrum.bench.serve import parse_sse_line, run_load
 
 
@@ -58,38 +56,13 @@ def test_run_load_streams_token_ids_and_reads_usage():
     assert duration >= 0.05  # the second request waited for its arrival time
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def live_server(llama_dir):
-    if importlib.util.find_spec("fulcrum.server.api_server") is None:
-        pytest.skip("fulcrum.server.api_server is not there yet")
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "fulcrum", "serve", str(llama_dir),
-                               "--port", str(port), "--kv-cache-memory-bytes", "20000000"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"server exited: {server.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(base_url + "/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not come up within 60 s")
-            time.sleep(0.3)
+    port = free_port()
+    command = [sys.executable, "-m", "fulcrum", "serve", str(llama_dir), "--port", str(port),
+               "--kv-cache-memory-bytes", "20000000"]
+    with running_server(command, port) as base_url:
         yield base_url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_bench_serve_end_to_end(live_server, tmp_path):

@@ -106,7 +106,7 @@ def workloads(scale: Scale, seed: int = 0) -> Dict[str, Schedule]:
             "mixed": schedule(mixed, {ALL: scale.short_rate, LONG: math.inf}, 1.0, seed)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -390,7 +390,7 @@ def run_report(args: argparse.Namespace) -> int:
             if engine == "hf":
                 runs = hf_runs(model_dir, dummy, [t["throughput"] for t in timed])
             else:
-                port = _free_port()
+                port = free_port()
                 command = server_command(engine, model_dir, dummy, port, scale.max_model_len)
                 with running_server(command, port) as base_url:
                     runs = serve_runs(base_url, timed)
