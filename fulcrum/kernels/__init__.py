@@ -1,13 +1,16 @@
 """Native CPU kernels: compiled at first use with the system C++ compiler, loaded with ctypes.
 
-No torch headers are involved, so a build takes about a second; the shared object is cached
-under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source, the
-compiler and this CPU's instruction-set flags. Where no compiler is found, or the build
-fails, `paged_attention()` returns None and the portable torch path is used instead. Set
+- paged_attention.cpp: decode attention reading the paged KV cache in place;
+- linear_bf16.cpp: bfloat16 linear layers on AVX512-BF16 CPUs, over weights packed once.
+
+No torch headers are involved, so a build takes a second or two; each shared object is
+cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source,
+the compiler and this CPU's instruction-set flags. Where no compiler is found, the build
+fails or the CPU lacks the instructions, the portable torch path is used instead. Set
 FULCRUM_DISABLE_KERNELS=1 to force the torch path.
 
-The kernel is linked with -fopenmp; its libgomp.so.1 resolves to the one torch has already
-loaded, so both share one OpenMP thread pool.
+The kernels are linked with -fopenmp; their libgomp.so.1 resolves to the one torch has
+already loaded, so all share one OpenMP thread pool.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+KERNEL_DIR = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -40,42 +43,59 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(),
+def _build(source: Path, compiler: str) -> Path:
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(),
                                      " ".join(FLAGS).encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))
-    target = root / "kernels" / f"paged_attention-{key}.so"
+    target = root / "kernels" / f"{source.stem}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders agree on one file
     return target
 
 
 @functools.lru_cache(maxsize=None)
-def paged_attention() -> Optional[ctypes.CDLL]:
+def _library(name: str) -> Optional[ctypes.CDLL]:
+    """The compiled kernels/<name>.cpp, or None (disabled, no compiler, build failed)."""
     if os.environ.get("FULCRUM_DISABLE_KERNELS") == "1":
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        logger.warning("no C++ compiler found: using the torch attention path")
+        logger.warning("no C++ compiler found: using torch for %s", name)
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        return ctypes.CDLL(str(_build(KERNEL_DIR / f"{name}.cpp", compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.warning("could not build the CPU attention kernel (%s): using torch", detail)
+        logger.warning("could not build the CPU kernel %s (%s): using torch", name, detail)
         return None
-    pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for name in _ENTRY.values():
-        function = getattr(library, name)
-        function.restype = i32
-        function.argtypes = [pointer] * 6 + [i32] * 6 + [f32, i32, i32]
+
+
+def clear_cache() -> None:
+    """Forget loaded kernels, so FULCRUM_DISABLE_KERNELS is read again (tests flip it)."""
+    for cached in (_library, paged_attention, _linear_library):
+        cached.cache_clear()
+
+
+def _declare(library: ctypes.CDLL, name: str, argtypes: list) -> None:
+    function = getattr(library, name)
+    function.restype = ctypes.c_int
+    function.argtypes = argtypes
+
+
+@functools.lru_cache(maxsize=None)
+def paged_attention() -> Optional[ctypes.CDLL]:
+    library = _library("paged_attention")
+    if library is not None:
+        pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        for name in _ENTRY.values():
+            _declare(library, name, [pointer] * 6 + [i32] * 6 + [f32, i32, i32])
     return library
 
 
@@ -105,3 +125,48 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale, window, torch.get_num_threads())
     return out
+
+
+# ----------------------------------------------------------------- bf16 linear
+@functools.lru_cache(maxsize=None)
+def _linear_library() -> Optional[ctypes.CDLL]:
+    library = _library("linear_bf16")
+    if library is None or not library.fulcrum_linear_bf16_supported():
+        return None
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    _declare(library, "fulcrum_linear_bf16",
+             [pointer, i64, pointer, pointer, pointer, i64] + [i32] * 5)
+    return library
+
+
+def supports_linear(weight: torch.Tensor) -> bool:
+    """Whether `weight` ([out, in]) can run through the packed bf16 kernel."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0 and _linear_library() is not None)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the kernel's panels: [panels, in / 2, panel width, 2], zero-padded."""
+    panel = _linear_library().fulcrum_linear_bf16_panel()
+    out_features, in_features = weight.shape
+    padded = -(-out_features // panel) * panel
+    full = torch.zeros(padded, in_features, dtype=torch.bfloat16)
+    full[:out_features] = weight
+    return full.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                out_features: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., in] (bf16) @ W^T + bias, with W packed by `pack_linear_weight`; bias fp32."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype)
+    status = _linear_library().fulcrum_linear_bf16(
+        rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        rows.shape[0], out_features, rows.shape[1], int(out_dtype == torch.float32),
+        torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"linear_bf16 kernel failed on shape {tuple(rows.shape)}")
+    return out.view(*x.shape[:-1], out_features)

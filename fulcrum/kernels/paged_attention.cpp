@@ -8,6 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -131,6 +136,127 @@ void decode_one(const Q* q, const C* k_cache, const C* v_cache, const int64_t* t
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 queries over a bf16 cache with 16-token blocks: the common serving case, on
+// vdpbf16ps (pairs of bf16 products accumulated in fp32). Per block, keys and values are
+// first rearranged into (dim, dim+1) and (token, token+1) pairs in a stack tile, so each
+// query head of the group then needs one dot-product instruction per 16 scores or 16
+// output dims. Probabilities are rounded to bf16 for the value product, as FlashAttention
+// does on GPUs; the softmax itself is fp32.
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// e^x for x <= 0 (scores minus their running max): 2^n * 2^f, f in [-0.5, 0.5], Taylor
+// polynomial of degree 6 (relative error < 2e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512i pair_index(int first, int second) {
+  alignas(64) uint16_t index[32];
+  for (int i = 0; i < 16; ++i) {
+    index[2 * i] = static_cast<uint16_t>(first + i);
+    index[2 * i + 1] = static_cast<uint16_t>(second + i);
+  }
+  return _mm512_load_si512(index);
+}
+
+template <int kDim>
+void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                         const int64_t* table, int64_t context_len, uint16_t* out,
+                         int kv_head, int num_kv_heads, int group, int, int, float scale,
+                         int window) {
+  constexpr int kBlock = 16;
+  constexpr int kDimPairs = kDim / 2;
+  constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
+  const __m512i keys_index = pair_index(0, 16);   // rows d, d+1 -> (d, d+1) per token
+  const __m512i values_lo = pair_index(0, 32);    // rows t, t+1 -> (t, t+1) per dim
+  const __m512i values_hi = pair_index(16, 48);
+  __m512 acc[kMaxGroup][kVecs];
+  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_setzero_ps();
+    running_max[g] = -1e30f;
+    running_sum[g] = 0.f;
+  }
+  __m512i key_pairs[kDimPairs];
+  __m512i value_pairs[kBlock / 2][kVecs];
+  const int64_t k_block_stride = static_cast<int64_t>(num_kv_heads) * kDim * kBlock;
+  const int64_t v_token_stride = static_cast<int64_t>(num_kv_heads) * kDim;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  for (int64_t b = start / kBlock; b * kBlock < context_len; ++b) {
+    const int j0 = b == start / kBlock ? static_cast<int>(start % kBlock) : 0;
+    const int j1 = static_cast<int>(std::min<int64_t>(kBlock, context_len - b * kBlock));
+    const __mmask16 valid = static_cast<__mmask16>(((1u << j1) - 1u) & ~((1u << j0) - 1u));
+    const uint16_t* keys = k_cache + table[b] * k_block_stride +
+                           static_cast<int64_t>(kv_head) * kDim * kBlock;
+    const uint16_t* values = v_cache + table[b] * kBlock * v_token_stride +
+                             static_cast<int64_t>(kv_head) * kDim;
+    for (int dp = 0; dp < kDimPairs; ++dp)
+      key_pairs[dp] = _mm512_permutexvar_epi16(keys_index,
+                                               _mm512_loadu_si512(keys + dp * 2 * kBlock));
+    for (int tp = 0; tp < kBlock / 2; ++tp) {
+      // Unwritten slots may hold NaN: rows outside [j0, j1) are read as zeros.
+      const __mmask32 row0 = (valid >> (2 * tp)) & 1 ? ~0u : 0u;
+      const __mmask32 row1 = (valid >> (2 * tp + 1)) & 1 ? ~0u : 0u;
+      const uint16_t* r0 = values + (2 * tp) * v_token_stride;
+      const uint16_t* r1 = r0 + v_token_stride;
+      for (int c = 0; c < kVecs / 2; ++c) {
+        const __m512i a = _mm512_maskz_loadu_epi16(row0, r0 + 32 * c);
+        const __m512i e = _mm512_maskz_loadu_epi16(row1, r1 + 32 * c);
+        value_pairs[tp][2 * c] = _mm512_permutex2var_epi16(a, values_lo, e);
+        value_pairs[tp][2 * c + 1] = _mm512_permutex2var_epi16(a, values_hi, e);
+      }
+    }
+    for (int g = 0; g < group; ++g) {
+      const int32_t* query = reinterpret_cast<const int32_t*>(q + (kv_head * group + g) * kDim);
+      __m512 scores = _mm512_setzero_ps();
+      for (int dp = 0; dp < kDimPairs; ++dp)
+        scores = _mm512_dpbf16_ps(scores, as_bh(_mm512_set1_epi32(query[dp])),
+                                  as_bh(key_pairs[dp]));
+      scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
+      const float tile_max = std::max(running_max[g], _mm512_mask_reduce_max_ps(valid, scores));
+      const float correction = std::exp(running_max[g] - tile_max);
+      running_max[g] = tile_max;
+      const __m512 p = _mm512_maskz_mov_ps(
+          valid, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
+      alignas(32) int32_t p_pairs[kBlock / 2];
+      const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+      std::memcpy(p_pairs, &p_bf16, sizeof p_pairs);
+      // The sum of the rounded weights, so the output stays their exact average.
+      const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16));
+      running_sum[g] = running_sum[g] * correction + _mm512_reduce_add_ps(rounded);
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], corr);
+      for (int tp = j0 / 2; tp < (j1 + 1) / 2; ++tp) {
+        const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[tp]));
+        for (int v = 0; v < kVecs; ++v)
+          acc[g][v] = _mm512_dpbf16_ps(acc[g][v], weight, as_bh(value_pairs[tp][v]));
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
+    uint16_t* o = out + (kv_head * group + g) * kDim;
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][v], inv));
+      std::memcpy(o + 16 * v, &h, sizeof h);
+    }
+  }
+}
+#endif
+
 template <typename Q, typename C>
 using DecodeFn = void (*)(const Q*, const C*, const C*, const int64_t*, int64_t, Q*, int, int,
                           int, int, int, float, int);
@@ -138,6 +264,12 @@ using DecodeFn = void (*)(const Q*, const C*, const C*, const int64_t*, int64_t,
 // The common (block size, head size) pairs get specialised code; others the generic one.
 template <typename Q, typename C>
 DecodeFn<Q, C> pick_decode(int block_size, int head_dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<Q, uint16_t> && std::is_same_v<C, uint16_t>) {
+    if (block_size == 16 && head_dim == 64) return decode_bf16_block16<64>;
+    if (block_size == 16 && head_dim == 128) return decode_bf16_block16<128>;
+  }
+#endif
   if (block_size == 16 && head_dim == 64) return decode_one<Q, C, 16, 64>;
   if (block_size == 16 && head_dim == 128) return decode_one<Q, C, 16, 128>;
   if (block_size == 32 && head_dim == 64) return decode_one<Q, C, 32, 64>;

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fulcrum import kernels
 from fulcrum.attention import AttentionBackend, AttentionMetadata
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
@@ -115,7 +116,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ linears
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that, once its weights are final, may run through fulcrum's packed bf16
+    kernel (fulcrum/kernels/linear_bf16.cpp): 2-4x torch's matmul at decode batch sizes.
+
+    `pack()` replaces the weight by the kernel's layout, so it is held once, not twice."""
+
+    packed: Optional[torch.Tensor]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("packed", None, persistent=False)
+        self.packed_bias: Optional[torch.Tensor] = None
+
+    def pack(self) -> None:
+        if not kernels.supports_linear(self.weight):
+            return
+        self.packed = kernels.pack_linear_weight(self.weight.data)
+        self.packed_bias = None if self.bias is None else self.bias.data.float()
+        self.weight = None  # a tied LM head's embedding keeps its own reference
+
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if self.packed is not None:
+            return kernels.linear_bf16(x, self.packed, self.packed_bias, self.out_features,
+                                       out_dtype or x.dtype)
+        y = F.linear(x, self.weight, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections (q/k/v or gate/up) whose HF weights are separate."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool) -> None:
@@ -147,7 +176,7 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = MergedLinear(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                      bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.backend = backend
@@ -173,7 +202,7 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported activation {spec.hidden_act!r}; supported: silu")
         self.gate_up_proj = MergedLinear(spec.hidden_size, [spec.intermediate_size] * 2,
                                          bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -218,7 +247,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec, backend)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -227,7 +256,13 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, torch.float32)
+
+    def pack_weights(self) -> None:
+        """Give every linear layer the fastest weight layout for this device and dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""

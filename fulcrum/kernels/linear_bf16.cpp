@@ -1,0 +1,116 @@
+// bfloat16 linear layers on CPUs with AVX512-BF16: y = x @ W^T (+ bias).
+//
+// torch's bf16 matmul on such CPUs (oneDNN) runs well below the hardware's dot-product rate,
+// and at a handful of rows (decode steps) it is slower than reading the weights once would
+// be. This kernel does both cases with one register-blocked loop built on vdpbf16ps, which
+// multiplies pairs of bf16 values and accumulates them in fp32.
+//
+// The weight is packed once at load time (fulcrum/kernels/__init__.py) into panels of
+// kPanel output columns: panel p holds, for every pair of input features (k, k+1), the
+// kPanel columns' two weights side by side, so one 64-byte load feeds 16 columns x 2 k.
+// A tile of up to kRows input rows x one panel stays in 24 zmm accumulators for the whole
+// K loop; each input pair is broadcast once per row. Threads split the panels, so a small
+// batch still uses every core and reads each weight exactly once per call.
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kVectors = 3;              // zmm vectors of 16 fp32 columns per panel
+constexpr int kPanel = 16 * kVectors;    // output columns per packed panel
+constexpr int kRows = 8;                 // input rows per register tile
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline __m256i as_i(__m256bh v) { return reinterpret_cast<__m256i&>(v); }
+
+template <int M>
+void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs, const float* bias,
+          void* out, int64_t ldo, int columns, bool out_f32) {
+  __m512 acc[M][kVectors];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int32_t* rows[M];
+  for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
+    __m512bh b[kVectors];
+    for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(rows[m][kp]));
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const int first = v * 16;
+    if (first >= columns) break;
+    const int n = columns - first < 16 ? columns - first : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const __m512 y = _mm512_add_ps(acc[m][v], b);
+      if (out_f32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + m * ldo + first, mask, y);
+      } else {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * ldo + first, mask, as_i(_mm512_cvtneps_pbh(y)));
+      }
+    }
+  }
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int, const float*, void*,
+                        int64_t, int, bool);
+constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                      tile<5>, tile<6>, tile<7>, tile<8>};
+
+}  // namespace
+
+extern "C" {
+
+int fulcrum_linear_bf16_supported() { return 1; }
+int fulcrum_linear_bf16_panel() { return kPanel; }
+
+// x: [M, K] bf16 rows with stride ldx; packed: the panels; bias: [N] fp32 or null;
+// out: [M, N] (bf16, or fp32 when out_f32) rows with stride ldo. K must be even.
+int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
+                        const float* bias, void* out, int64_t ldo, int M, int N, int K,
+                        int out_f32, int num_threads) {
+  if (K % 2) return 1;
+  const int pairs = K / 2;
+  const int panels = (N + kPanel - 1) / kPanel;
+  const int row_tiles = (M + kRows - 1) / kRows;
+  const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
+  const int64_t out_item = out_f32 ? 4 : 2;
+  // Panels outermost: a thread keeps its panel in cache while every row tile passes over it.
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+  for (int p = 0; p < panels; ++p) {
+    for (int t = 0; t < row_tiles; ++t) {
+      const int m0 = t * kRows;
+      const int rows = M - m0 < kRows ? M - m0 : kRows;
+      const int n0 = p * kPanel;
+      const int columns = N - n0 < kPanel ? N - n0 : kPanel;
+      kTiles[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
+                   bias ? bias + n0 : nullptr,
+                   static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo, columns,
+                   out_f32 != 0);
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // no AVX512-BF16: the caller uses torch's matmul
+
+extern "C" {
+int fulcrum_linear_bf16_supported() { return 0; }
+int fulcrum_linear_bf16_panel() { return 0; }
+int fulcrum_linear_bf16(const uint16_t*, int64_t, const uint16_t*, const float*, void*, int64_t,
+                        int, int, int, int, int) {
+  return 1;
+}
+}  // extern "C"
+
+#endif

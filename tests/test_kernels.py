@@ -1,0 +1,106 @@
+"""Native CPU kernels against float64 references: the bf16 linear over packed weights and the
+paged decode attention (every specialised shape), including ragged blocks, sliding windows
+and NaN in unwritten cache slots."""
+
+import math
+
+import pytest
+import torch
+
+from fulcrum import kernels
+
+needs_linear = pytest.mark.skipif(
+    not kernels.supports_linear(torch.zeros(2, 2, dtype=torch.bfloat16)),
+    reason="no AVX512-BF16 linear kernel on this machine")
+
+
+@needs_linear
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (49, 30)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_matches_float64(out_features, in_features, rows, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    reference = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    packed = kernels.pack_linear_weight(weight)
+    got32 = kernels.linear_bf16(x, packed, bias, out_features, torch.float32)
+    assert got32.dtype == torch.float32 and got32.shape == (rows, out_features)
+    torch.testing.assert_close(got32.double(), reference, atol=1e-3, rtol=1e-4)
+    got16 = kernels.linear_bf16(x, packed, bias, out_features)
+    assert got16.dtype == torch.bfloat16
+    # bf16 output: the float32 result rounded once.
+    assert torch.equal(got16, got32.bfloat16())
+
+
+@needs_linear
+def test_linear_bf16_takes_strided_rows_and_leading_dims():
+    weight = torch.randn(64, 32).bfloat16()
+    packed = kernels.pack_linear_weight(weight)
+    wide = torch.randn(5, 64).bfloat16()
+    x = wide[:, :32]  # row stride 64
+    got = kernels.linear_bf16(x, packed, None, 64, torch.float32)
+    torch.testing.assert_close(got, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+    batched = torch.randn(2, 3, 32).bfloat16()
+    assert kernels.linear_bf16(batched, packed, None, 64).shape == (2, 3, 64)
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
+    """Float64 softmax attention of each single-token query over its paged context."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
+    group = num_heads // num_kv_heads
+    keys_all = k_cache.permute(0, 3, 1, 2)  # [blocks, block_size, kv_heads, dim]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        positions = torch.arange(n)
+        blocks, offsets = tables[s][positions // block_size], positions % block_size
+        keys, values = keys_all[blocks, offsets].double(), v_cache[blocks, offsets].double()
+        first = max(0, n - window) if window else 0
+        for h in range(num_heads):
+            kv = h // group
+            scores = keys[first:, kv] @ q[s, h].double() * scale
+            out[s, h] = torch.softmax(scores, 0) @ values[first:, kv]
+    return out
+
+
+@pytest.mark.skipif(kernels.paged_attention() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (16, 16),
+                                                 (48, 8)])
+@pytest.mark.parametrize("group,window", [(3, 0), (1, 0), (4, 21)])
+def test_paged_decode_attention_matches_float64(dtype, cache_dtype, head_dim, block_size,
+                                                group, window):
+    generator = torch.Generator().manual_seed(head_dim + block_size + group)
+    num_kv_heads, num_blocks = 2, 64
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 130], dtype=torch.int64)
+    max_blocks = -(-int(lens.max()) // block_size)
+    # Unwritten slots hold NaN: the kernel must never let them reach a result.
+    k_cache = torch.full((num_blocks, num_kv_heads, head_dim, block_size), math.nan,
+                         dtype=cache_dtype)
+    v_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), math.nan,
+                         dtype=cache_dtype)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
+    free = torch.randperm(num_blocks - 1, generator=generator) + 1
+    used = 0
+    for s, n in enumerate(lens.tolist()):
+        count = -(-n // block_size)
+        tables[s, :count] = free[used:used + count]
+        used += count
+        positions = torch.arange(n)
+        blocks, offsets = tables[s][positions // block_size], positions % block_size
+        k_cache.permute(0, 3, 1, 2)[blocks, offsets] = torch.randn(
+            n, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
+        v_cache[blocks, offsets] = torch.randn(n, num_kv_heads, head_dim,
+                                               generator=generator).to(cache_dtype)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    scale = head_dim ** -0.5
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+    assert got.dtype == dtype and not got.isnan().any()
+    reference = _reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    tolerance = 2e-2 if cache_dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), reference, atol=tolerance, rtol=tolerance)
