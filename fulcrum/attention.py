@@ -16,7 +16,7 @@ implements `AttentionBackend.forward` over the same metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -41,11 +41,17 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new key/value is written to
+    # Every sequence of the step, in row order: [num_seqs, max_blocks] null-padded tables,
+    # [num_seqs + 1] first query row of each, [num_seqs] context length after this step.
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
     num_decodes: int
-    decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks], null-padded
-    decode_context_lens: Optional[torch.Tensor]  # [num_decodes] tokens to attend to
-    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size]
-    prefills: List[PrefillSpan]
+    # What backends that split decodes from prefills need (see `AttentionBackend.splits`).
+    decode_block_tables: Optional[torch.Tensor] = None  # [num_decodes, max_blocks]
+    decode_context_lens: Optional[torch.Tensor] = None  # [num_decodes] tokens to attend to
+    decode_mask: Optional[torch.Tensor] = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: List[PrefillSpan] = field(default_factory=list)
     sliding_window: int = 0  # 0: none
 
 
@@ -58,10 +64,23 @@ def key_slots(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache.permute(0, 3, 1, 2)
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's new keys and values at their cache slots."""
+    block_size = v_cache.shape[1]
+    key_slots(k_cache)[slot_mapping // block_size, slot_mapping % block_size] = \
+        k.to(k_cache.dtype)
+    v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slot_mapping,
+                                                                     v.to(v_cache.dtype))
+
+
 class AttentionBackend(ABC):
     # Whether decodes read padding slots and mask them out: then the runner builds
     # decode_mask and the cache is zeroed, since masked garbage could still be NaN.
     reads_padding = True
+    # Whether decodes and prefill chunks are attended separately: then the runner builds
+    # the decode_* fields and one PrefillSpan (context slots, mask) per chunk.
+    splits = True
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -76,9 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         block_size = v_cache.shape[1]
         v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-        blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-        key_slots(k_cache)[blocks, offsets] = k.to(k_cache.dtype)
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta,
@@ -132,10 +149,29 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                                               meta.sliding_window)
 
 
+class CpuVarlenAttentionBackend(AttentionBackend):
+    """bf16 on AVX512-BF16 CPUs: all of a step's query tokens, decodes and prefill chunks
+    alike, in one native call that reads keys and values in place from the block tables.
+    No context is gathered and no mask is built, so a chunk costs the same whether its
+    context came from this prompt's earlier chunks or from the prefix cache."""
+
+    reads_padding = False
+    splits = False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return kernels.paged_varlen_attention(q, k_cache, v_cache, meta.block_tables,
+                                              meta.query_start_loc, meta.seq_lens, scale,
+                                              meta.sliding_window)
+
+
 def make_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
                  group_size: int, head_dim: int, block_size: int) -> AttentionBackend:
     """The fastest backend that handles this device, dtypes and shape."""
-    if device.type == "cpu" and kernels.supports(dtype, cache_dtype, group_size, head_dim,
-                                                 block_size):
+    if device.type != "cpu":
+        return TorchAttentionBackend()
+    if kernels.supports_varlen(dtype, cache_dtype, group_size, head_dim, block_size):
+        return CpuVarlenAttentionBackend()
+    if kernels.supports(dtype, cache_dtype, group_size, head_dim, block_size):
         return CpuPagedAttentionBackend()
     return TorchAttentionBackend()

@@ -20,6 +20,11 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # What "auto" long_prefill_token_threshold means in vLLM: 4% of max_model_len.
 AUTO_LONG_PREFILL_FRACTION = 0.04
+# fulcrum's default prefill chunk: an eighth of the step budget (64 of 512 tokens). A step
+# that carries a long prompt's chunk stays short, so a request arriving meanwhile gets its
+# first token within about two short steps; the other seven eighths still fill with the
+# chunks of up to seven more prompts, so throughput keeps full steps.
+DEFAULT_CHUNK_FRACTION = 8
 
 
 @dataclass
@@ -41,7 +46,7 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: Optional[int] = None
-    max_num_partial_prefills: int = 1
+    max_num_partial_prefills: Optional[int] = None
     scheduling_policy: SchedulingPolicy = "fcfs"
     batching_mode: BatchingMode = "continuous"
     # KV cache.
@@ -106,12 +111,15 @@ class EngineConfig:
                 f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}): "
                 "each running request needs one token of the step budget to decode")
         threshold = self.long_prefill_token_threshold
+        partial = self.max_num_partial_prefills
         if threshold is None:
-            # fulcrum's default: one prompt takes at most half a step, so requests arriving
-            # behind a long prompt always find room in the next step.
-            threshold = budget // 2 if chunked else 0
-        elif threshold == 0 and self.max_num_partial_prefills > 1:
+            threshold = max(1, budget // DEFAULT_CHUNK_FRACTION) if chunked else 0
+        elif threshold == 0 and (partial or 1) > 1:
             threshold = max(1, int(max_model_len * AUTO_LONG_PREFILL_FRACTION))  # vLLM's rule
+        if partial is None:
+            # As many prompts part-way through prefill as their chunks fill a step.
+            partial = max(1, budget // threshold) if threshold else 1
         return dataclasses.replace(
             self, max_model_len=max_model_len, max_num_batched_tokens=budget,
-            max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold)
+            max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,
+            max_num_partial_prefills=partial)

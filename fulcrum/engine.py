@@ -73,7 +73,7 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, caches, self.config.block_size, self.device,
-                                  config.seed, backend.reads_padding)
+                                  config.seed, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats: Deque[StepStats] = collections.deque(maxlen=STATS_HISTORY)
         self._aborted_children: List[str] = []

@@ -24,10 +24,12 @@ _HELP = {
     "max_num_seqs": "most requests running at once (default 256, at most the token budget)",
     "max_num_batched_tokens": "token budget of one step (default 512)",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
-    "long_prefill_token_threshold": "most tokens of one prompt in one step (default: half the "
-                                    "budget; 0: vLLM's rule, 4%% of max_model_len when "
-                                    "max_num_partial_prefills > 1, else no cap)",
-    "max_num_partial_prefills": "most prompts part-way through prefill at once",
+    "long_prefill_token_threshold": "most tokens of one prompt in one step (default: an "
+                                    "eighth of the budget; 0: vLLM's rule, 4%% of "
+                                    "max_model_len when max_num_partial_prefills > 1, else "
+                                    "no cap)",
+    "max_num_partial_prefills": "most prompts part-way through prefill at once (default: as "
+                                "many as their chunks fill a step, budget / threshold)",
     "scheduling_policy": "fcfs or priority (lower value first; may preempt)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",
     "block_size": "tokens per KV-cache block",

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from fulcrum.attention import AttentionMetadata, PrefillSpan
+from fulcrum.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from fulcrum.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
 from fulcrum.sampler import SampledToken, Sampler
@@ -22,9 +22,10 @@ from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: List[KVCache], block_size: int,
-                 device: torch.device, seed: int, reads_padding: bool) -> None:
+                 device: torch.device, seed: int, backend: AttentionBackend) -> None:
         self.model = model
-        self.reads_padding = reads_padding
+        self.reads_padding = backend.reads_padding
+        self.splits = backend.splits
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sliding_window: Optional[int] = model.spec.sliding_window
@@ -69,15 +70,17 @@ class ModelRunner:
         slot_mapping = tables[seq, positions // bs] * bs + positions % bs
 
         num_decodes = int((lens == 1).sum())
-        decode_tables, decode_lens, decode_mask = self._decode_context(
-            tables[:num_decodes], starts[:num_decodes] + 1)
-        prefills = [self._prefill_span(tables[i], int(starts[i]), int(lens[i]),
-                                       int(q_start[i]))
-                    for i in range(num_decodes, len(chunks))]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping), num_decodes=num_decodes,
-            decode_block_tables=decode_tables, decode_context_lens=decode_lens,
-            decode_mask=decode_mask, prefills=prefills, sliding_window=self.sliding_window or 0)
+            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(tables),
+            query_start_loc=self._tensor(np.concatenate([[0], q_end])),
+            seq_lens=self._tensor(starts + lens), num_decodes=num_decodes,
+            sliding_window=self.sliding_window or 0)
+        if self.splits:
+            meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask = \
+                self._decode_context(tables[:num_decodes], starts[:num_decodes] + 1)
+            meta.prefills = [self._prefill_span(tables[i], int(starts[i]), int(lens[i]),
+                                                int(q_start[i]))
+                             for i in range(num_decodes, len(chunks))]
         sample_rows = np.fromiter((c.sample for c in chunks), bool, len(chunks))
         logits_rows = self._tensor(q_end[sample_rows] - 1)
         return self._tensor(token_ids), self._tensor(positions), meta, logits_rows

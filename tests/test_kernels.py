@@ -104,3 +104,58 @@ def test_paged_decode_attention_matches_float64(dtype, cache_dtype, head_dim, bl
     reference = _reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
     tolerance = 2e-2 if cache_dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), reference, atol=tolerance, rtol=tolerance)
+
+
+def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, generator):
+    """NaN-filled caches with random keys and values written at each sequence's slots."""
+    num_blocks = 1 + sum(-(-n // block_size) for n in lens)
+    k_cache = torch.full((num_blocks, num_kv_heads, head_dim, block_size), math.nan,
+                         dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), math.nan,
+                         dtype=dtype)
+    tables = torch.zeros(len(lens), -(-max(lens) // block_size), dtype=torch.int64)
+    free = torch.randperm(num_blocks - 1, generator=generator) + 1
+    used = 0
+    for s, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[s, :count] = free[used:used + count]
+        used += count
+        positions = torch.arange(n)
+        blocks, offsets = tables[s][positions // block_size], positions % block_size
+        k_cache.permute(0, 3, 1, 2)[blocks, offsets] = torch.randn(
+            n, num_kv_heads, head_dim, generator=generator).to(dtype)
+        v_cache[blocks, offsets] = torch.randn(n, num_kv_heads, head_dim,
+                                               generator=generator).to(dtype)
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
+                    reason="no AVX512-BF16 attention kernel on this machine")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group,window", [(3, 0), (1, 0), (7, 0), (3, 21)])
+def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
+    """Decodes and prefill chunks of every length in one call: each query row sees exactly
+    the context up to its own position."""
+    generator = torch.Generator().manual_seed(head_dim * group + window)
+    num_kv_heads, block_size = 2, 16
+    # (context length after the step, new tokens): decodes, a fresh prompt, chunks on top
+    # of cached context, chunks longer than a tile of rows.
+    shapes = [(40, 1), (1, 1), (17, 17), (100, 33), (64, 5), (130, 70), (33, 1)]
+    lens = [n for n, _ in shapes]
+    k_cache, v_cache, tables = _paged_cache(lens, num_kv_heads, head_dim, block_size,
+                                            torch.bfloat16, generator)
+    news = torch.tensor([q for _, q in shapes])
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int64), news.cumsum(0)])
+    q = torch.randn(int(news.sum()), num_kv_heads * group, head_dim,
+                    generator=generator).bfloat16()
+    scale = head_dim ** -0.5
+    got = kernels.paged_varlen_attention(q, k_cache, v_cache, tables, query_start,
+                                         torch.tensor(lens), scale, window)
+    assert not got.isnan().any()
+    for s, (n, new) in enumerate(shapes):
+        rows = slice(int(query_start[s]), int(query_start[s + 1]))
+        # Row i is position n - new + i: as a decode, it sees the first n - new + i + 1 tokens.
+        row_lens = torch.arange(n - new + 1, n + 1)
+        reference = _reference_decode(q[rows], k_cache, v_cache,
+                                      tables[s].expand(new, -1), row_lens, scale, window)
+        torch.testing.assert_close(got[rows].double(), reference, atol=2e-2, rtol=2e-2)

@@ -198,12 +198,29 @@ def test_auto_threshold_with_several_partial_prefills():
         .long_prefill_token_threshold == 0
 
 
-def test_default_threshold_is_half_the_budget_with_chunked_prefill():
-    assert EngineConfig().resolve(1000).long_prefill_token_threshold == 256
-    assert EngineConfig(max_num_batched_tokens=100).resolve(1000) \
-        .long_prefill_token_threshold == 50
-    assert EngineConfig(enable_chunked_prefill=False).resolve(1000) \
-        .long_prefill_token_threshold == 0
+def test_default_chunk_is_an_eighth_of_the_budget_and_partial_chunks_fill_a_step():
+    config = EngineConfig().resolve(1000)
+    assert config.long_prefill_token_threshold == 64
+    assert config.max_num_partial_prefills == 8
+    small = EngineConfig(max_num_batched_tokens=100).resolve(1000)
+    assert (small.long_prefill_token_threshold, small.max_num_partial_prefills) == (12, 8)
+    whole = EngineConfig(enable_chunked_prefill=False).resolve(1000)
+    assert (whole.long_prefill_token_threshold, whole.max_num_partial_prefills) == (0, 1)
+    explicit = EngineConfig(long_prefill_token_threshold=100, max_num_partial_prefills=2)
+    assert explicit.resolve(1000).max_num_partial_prefills == 2
+    assert EngineConfig(long_prefill_token_threshold=128).resolve(1000) \
+        .max_num_partial_prefills == 4
+
+
+def test_default_schedule_fills_steps_with_chunks_of_many_prompts():
+    """Sixteen 100-token prompts at once: every step carries 8 chunks of 64 tokens (the
+    budget), never one prompt hogging it, and all prompts finish prefill."""
+    sim = Sim(max_num_batched_tokens=512, long_prefill_token_threshold=None, num_blocks=600)
+    for i in range(16):
+        sim.add(f"r{i}", 100, max_tokens=2)
+    out = sim.step()
+    assert sorted(c.num_tokens for c in out.chunks) == [64] * 8
+    assert out.num_tokens == 512
 
 
 def partway(sim: Sim, out: SchedulerOutput) -> List[str]:

@@ -96,6 +96,8 @@ def paged_attention() -> Optional[ctypes.CDLL]:
         pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         for name in _ENTRY.values():
             _declare(library, name, [pointer] * 6 + [i32] * 6 + [f32, i32, i32])
+        _declare(library, "paged_varlen_attention_bf16",
+                 [pointer] * 7 + [i32] * 6 + [f32, i32, i32])
     return library
 
 
@@ -124,6 +126,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale, window, torch.get_num_threads())
+    return out
+
+
+def supports_varlen(dtype: torch.dtype, cache_dtype: torch.dtype, group_size: int,
+                    head_dim: int, block_size: int) -> bool:
+    """Whether `paged_varlen_attention` runs this case (bf16, 16-token blocks, head 64/128)."""
+    return (dtype == cache_dtype == torch.bfloat16 and block_size == 16
+            and head_dim in (64, 128) and group_size <= 32 and paged_attention() is not None
+            and paged_attention().paged_varlen_attention_bf16_supported() == 1)
+
+
+def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """q: [T, Hq, D], the step's query tokens grouped by sequence (`query_start`, [S + 1]);
+    sequence s's rows are the newest tokens of its seq_lens[s]-token context."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
+    status = paged_attention().paged_varlen_attention_bf16(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],
+        num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale, window,
+        torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"paged_varlen_attention has no kernel for {tuple(q.shape)}, "
+                           f"block size {block_size}")
     return out
 
 

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -171,44 +173,77 @@ inline __m512i pair_index(int first, int second) {
   return _mm512_load_si512(index);
 }
 
+constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
+
+// Queries `rows` consecutive positions of one sequence: row r sees the first
+// `first_len + r` tokens of the context (causal), less any sliding window. Every key and
+// value block is rearranged once and then serves all rows x group query vectors, so a
+// prefill chunk costs one pass over its context, not one per row.
 template <int kDim>
-void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                         const int64_t* table, int64_t context_len, uint16_t* out,
-                         int kv_head, int num_kv_heads, int group, int, int, float scale,
-                         int window) {
+void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
+                         const uint16_t* k_cache, const uint16_t* v_cache,
+                         const int64_t* table, uint16_t* out, int kv_head, int num_kv_heads,
+                         int group, float scale, int window) {
   constexpr int kBlock = 16;
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
   const __m512i keys_index = pair_index(0, 16);   // rows d, d+1 -> (d, d+1) per token
   const __m512i values_lo = pair_index(0, 32);    // rows t, t+1 -> (t, t+1) per dim
   const __m512i values_hi = pair_index(16, 48);
-  __m512 acc[kMaxGroup][kVecs];
-  float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_setzero_ps();
-    running_max[g] = -1e30f;
-    running_sum[g] = 0.f;
+  constexpr int kChunk = 4;
+  const int vectors = rows * group;
+  // Padded to whole chunks: padding lanes accumulate zeros and are never stored.
+  __m512 acc[kMaxVectors + kChunk][kVecs];
+  float running_max[kMaxVectors + kChunk], running_sum[kMaxVectors + kChunk];
+  for (int i = 0; i < vectors + kChunk; ++i) {
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_setzero_ps();
+    running_max[i] = -1e30f;
+    running_sum[i] = 0.f;
   }
   __m512i key_pairs[kDimPairs];
   __m512i value_pairs[kBlock / 2][kVecs];
   const int64_t k_block_stride = static_cast<int64_t>(num_kv_heads) * kDim * kBlock;
   const int64_t v_token_stride = static_cast<int64_t>(num_kv_heads) * kDim;
-  const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-  for (int64_t b = start / kBlock; b * kBlock < context_len; ++b) {
-    const int j0 = b == start / kBlock ? static_cast<int>(start % kBlock) : 0;
-    const int j1 = static_cast<int>(std::min<int64_t>(kBlock, context_len - b * kBlock));
-    const __mmask16 valid = static_cast<__mmask16>(((1u << j1) - 1u) & ~((1u << j0) - 1u));
-    const uint16_t* keys = k_cache + table[b] * k_block_stride +
-                           static_cast<int64_t>(kv_head) * kDim * kBlock;
-    const uint16_t* values = v_cache + table[b] * kBlock * v_token_stride +
-                             static_cast<int64_t>(kv_head) * kDim;
+  const int64_t last_len = first_len + rows - 1;
+  auto row_start = [&](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
+  // The token range [lo, hi) of a block that a row of context length len may see.
+  auto block_mask = [&](int64_t b, int64_t len) -> __mmask16 {
+    const int64_t lo = std::max<int64_t>(row_start(len) - b * kBlock, 0);
+    const int64_t hi = std::min<int64_t>(len - b * kBlock, kBlock);
+    if (hi <= lo) return 0;
+    return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+  };
+  auto block_keys = [&](int64_t b) {
+    return k_cache + table[b] * k_block_stride + static_cast<int64_t>(kv_head) * kDim * kBlock;
+  };
+  auto block_values = [&](int64_t b) {
+    return v_cache + table[b] * kBlock * v_token_stride + static_cast<int64_t>(kv_head) * kDim;
+  };
+  for (int64_t b = row_start(first_len) / kBlock; b * kBlock < last_len; ++b) {
+    const __mmask16 used = block_mask(b, last_len) | block_mask(b, first_len);
+    const uint16_t* keys = block_keys(b);
+    const uint16_t* values = block_values(b);
+    if ((b + 1) * kBlock < last_len) {
+      // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch
+      // the next one while this one is computed.
+      const char* next_keys = reinterpret_cast<const char*>(block_keys(b + 1));
+      for (int line = 0; line < kDim * kBlock * 2; line += 64)
+        _mm_prefetch(next_keys + line, _MM_HINT_T0);
+      const uint16_t* next_values = block_values(b + 1);
+      for (int t = 0; t < kBlock; ++t)
+        for (int line = 0; line < kDim * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next_values + t * v_token_stride) + line,
+                       _MM_HINT_T0);
+    }
     for (int dp = 0; dp < kDimPairs; ++dp)
       key_pairs[dp] = _mm512_permutexvar_epi16(keys_index,
                                                _mm512_loadu_si512(keys + dp * 2 * kBlock));
     for (int tp = 0; tp < kBlock / 2; ++tp) {
-      // Unwritten slots may hold NaN: rows outside [j0, j1) are read as zeros.
-      const __mmask32 row0 = (valid >> (2 * tp)) & 1 ? ~0u : 0u;
-      const __mmask32 row1 = (valid >> (2 * tp + 1)) & 1 ? ~0u : 0u;
+      // Unwritten slots may hold NaN: tokens no row sees are read as zeros.
+      const __mmask32 row0 = (used >> (2 * tp)) & 1 ? ~0u : 0u;
+      const __mmask32 row1 = (used >> (2 * tp + 1)) & 1 ? ~0u : 0u;
       const uint16_t* r0 = values + (2 * tp) * v_token_stride;
       const uint16_t* r1 = r0 + v_token_stride;
       for (int c = 0; c < kVecs / 2; ++c) {
@@ -218,42 +253,116 @@ void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint1
         value_pairs[tp][2 * c + 1] = _mm512_permutex2var_epi16(a, values_hi, e);
       }
     }
-    for (int g = 0; g < group; ++g) {
-      const int32_t* query = reinterpret_cast<const int32_t*>(q + (kv_head * group + g) * kDim);
-      __m512 scores = _mm512_setzero_ps();
+    // Query vectors four at a time: independent dot-product chains keep the FMA pipes
+    // busy where one vector's chain would wait on each instruction's latency.
+    for (int i0 = 0; i0 < vectors; i0 += kChunk) {
+      __mmask16 valid[kChunk];
+      const int32_t* query[kChunk];
+      __m512 scores[kChunk];
+      for (int c = 0; c < kChunk; ++c) {
+        const int i = std::min(i0 + c, vectors - 1);
+        const int r = i / group;
+        valid[c] = i0 + c < vectors ? block_mask(b, first_len + r) : 0;
+        query[c] = reinterpret_cast<const int32_t*>(q + r * q_row_stride +
+                                                    (kv_head * group + i % group) * kDim);
+        scores[c] = _mm512_setzero_ps();
+      }
+      if (!(valid[0] | valid[1] | valid[2] | valid[3])) continue;
       for (int dp = 0; dp < kDimPairs; ++dp)
-        scores = _mm512_dpbf16_ps(scores, as_bh(_mm512_set1_epi32(query[dp])),
-                                  as_bh(key_pairs[dp]));
-      scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
-      const float tile_max = std::max(running_max[g], _mm512_mask_reduce_max_ps(valid, scores));
-      const float correction = std::exp(running_max[g] - tile_max);
-      running_max[g] = tile_max;
-      const __m512 p = _mm512_maskz_mov_ps(
-          valid, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
-      alignas(32) int32_t p_pairs[kBlock / 2];
-      const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
-      std::memcpy(p_pairs, &p_bf16, sizeof p_pairs);
-      // The sum of the rounded weights, so the output stays their exact average.
-      const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16));
-      running_sum[g] = running_sum[g] * correction + _mm512_reduce_add_ps(rounded);
-      const __m512 corr = _mm512_set1_ps(correction);
-      for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], corr);
-      for (int tp = j0 / 2; tp < (j1 + 1) / 2; ++tp) {
-        const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[tp]));
-        for (int v = 0; v < kVecs; ++v)
-          acc[g][v] = _mm512_dpbf16_ps(acc[g][v], weight, as_bh(value_pairs[tp][v]));
+        for (int c = 0; c < kChunk; ++c)
+          scores[c] = _mm512_dpbf16_ps(scores[c], as_bh(_mm512_set1_epi32(query[c][dp])),
+                                       as_bh(key_pairs[dp]));
+      alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
+      __mmask16 any = 0;
+      for (int c = 0; c < kChunk; ++c) {
+        const int i = i0 + c;  // >= vectors: a padding lane, valid[c] == 0
+        if (!valid[c]) {
+          std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
+          continue;
+        }
+        any |= valid[c];
+        const __m512 scaled = _mm512_mul_ps(scores[c], _mm512_set1_ps(scale));
+        const float tile_max =
+            std::max(running_max[i], _mm512_mask_reduce_max_ps(valid[c], scaled));
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid[c], exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
+        const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+        std::memcpy(p_pairs[c], &p_bf16, sizeof p_pairs[c]);
+        // The sum of the rounded weights, so the output stays their exact average.
+        const float tile_sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
+        if (tile_max > running_max[i]) {
+          const float correction = std::exp(running_max[i] - tile_max);
+          const __m512 corr = _mm512_set1_ps(correction);
+          for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], corr);
+          running_sum[i] *= correction;
+          running_max[i] = tile_max;
+        }
+        running_sum[i] += tile_sum;
+      }
+      const int first_pair = __builtin_ctz(any) / 2;
+      const int end_pair = (16 - __builtin_clz(static_cast<unsigned>(any) << 16) + 1) / 2;
+      for (int tp = first_pair; tp < end_pair; ++tp) {
+        for (int c = 0; c < kChunk; ++c) {
+          const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][tp]));
+          for (int v = 0; v < kVecs; ++v)
+            acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
+                                              as_bh(value_pairs[tp][v]));
+        }
       }
     }
   }
-  for (int g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
-    uint16_t* o = out + (kv_head * group + g) * kDim;
-    for (int v = 0; v < kVecs; ++v) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][v], inv));
-      std::memcpy(o + 16 * v, &h, sizeof h);
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int i = r * group + g;
+      const __m512 inv = _mm512_set1_ps(1.f / running_sum[i]);
+      uint16_t* o = out + r * q_row_stride + (kv_head * group + g) * kDim;
+      for (int v = 0; v < kVecs; ++v) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
+        std::memcpy(o + 16 * v, &h, sizeof h);
+      }
     }
   }
+}
+
+// One decode (a single row) in the DecodeFn signature below.
+template <int kDim>
+void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                         const int64_t* table, int64_t context_len, uint16_t* out,
+                         int kv_head, int num_kv_heads, int group, int, int, float scale,
+                         int window) {
+  attend_bf16_block16<kDim>(q, 0, 1, context_len, k_cache, v_cache, table, out, kv_head,
+                            num_kv_heads, group, scale, window);
+}
+
+template <int kDim>
+int varlen_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int64_t* tables, const int64_t* query_start,
+                        const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_heads,
+                        int num_kv_heads, int max_blocks, float scale, int window,
+                        int num_threads) {
+  const int group = num_heads / num_kv_heads;
+  if (group > kMaxVectors) return 1;
+  const int tile_rows = kMaxVectors / group;
+  // Work items: (sequence, first row of a tile), each for every KV head.
+  std::vector<std::pair<int, int64_t>> tiles;
+  for (int s = 0; s < num_seqs; ++s)
+    for (int64_t r = query_start[s]; r < query_start[s + 1]; r += tile_rows)
+      tiles.emplace_back(s, r);
+  const int64_t q_stride = static_cast<int64_t>(num_heads) * kDim;
+  const int num_items = static_cast<int>(tiles.size()) * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int item = 0; item < num_items; ++item) {
+    const auto [s, row] = tiles[item / num_kv_heads];
+    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, query_start[s + 1] - row));
+    // Row `row` is query number row - query_start[s] of the sequence's new tokens.
+    const int64_t new_tokens = query_start[s + 1] - query_start[s];
+    const int64_t first_len = seq_lens[s] - new_tokens + (row - query_start[s]) + 1;
+    attend_bf16_block16<kDim>(q + row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
+                              tables + static_cast<int64_t>(s) * max_blocks, out + row * q_stride,
+                              item % num_kv_heads, num_kv_heads, group, scale, window);
+  }
+  return 0;
 }
 #endif
 
@@ -312,4 +421,34 @@ extern "C" {
 FULCRUM_DECODE_ENTRY(paged_decode_attention_f32_f32, float, float)
 FULCRUM_DECODE_ENTRY(paged_decode_attention_f32_bf16, float, uint16_t)
 FULCRUM_DECODE_ENTRY(paged_decode_attention_bf16_bf16, uint16_t, uint16_t)
+
+// Every query token of a step (decodes and prefill chunks alike) over the paged cache:
+// sequence s owns query rows [query_start[s], query_start[s + 1]), the newest tokens of its
+// seq_lens[s]-token context. bf16 queries and cache, 16-token blocks, head size 64 or 128;
+// returns nonzero for any other case, which the caller then routes elsewhere.
+int paged_varlen_attention_bf16_supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int paged_varlen_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                const int64_t* tables, const int64_t* query_start,
+                                const int64_t* seq_lens, uint16_t* out, int num_seqs,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                int max_blocks, float scale, int window, int num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (block_size == 16 && head_dim == 64)
+    return varlen_bf16_block16<64>(q, k, v, tables, query_start, seq_lens, out, num_seqs,
+                                   num_heads, num_kv_heads, max_blocks, scale, window,
+                                   num_threads);
+  if (block_size == 16 && head_dim == 128)
+    return varlen_bf16_block16<128>(q, k, v, tables, query_start, seq_lens, out, num_seqs,
+                                    num_heads, num_kv_heads, max_blocks, scale, window,
+                                    num_threads);
+#endif
+  return 1;
+}
 }  // extern "C"
