@@ -66,46 +66,6 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
     return out
 
 
-@pytest.mark.skipif(kernels.paged_attention() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.float32),
-                                               (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (16, 16),
-                                                 (48, 8)])
-@pytest.mark.parametrize("group,window", [(3, 0), (1, 0), (4, 21)])
-def test_paged_decode_attention_matches_float64(dtype, cache_dtype, head_dim, block_size,
-                                                group, window):
-    generator = torch.Generator().manual_seed(head_dim + block_size + group)
-    num_kv_heads, num_blocks = 2, 64
-    lens = torch.tensor([1, 15, 16, 17, 33, 100, 130], dtype=torch.int64)
-    max_blocks = -(-int(lens.max()) // block_size)
-    # Unwritten slots hold NaN: the kernel must never let them reach a result.
-    k_cache = torch.full((num_blocks, num_kv_heads, head_dim, block_size), math.nan,
-                         dtype=cache_dtype)
-    v_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), math.nan,
-                         dtype=cache_dtype)
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
-    free = torch.randperm(num_blocks - 1, generator=generator) + 1
-    used = 0
-    for s, n in enumerate(lens.tolist()):
-        count = -(-n // block_size)
-        tables[s, :count] = free[used:used + count]
-        used += count
-        positions = torch.arange(n)
-        blocks, offsets = tables[s][positions // block_size], positions % block_size
-        k_cache.permute(0, 3, 1, 2)[blocks, offsets] = torch.randn(
-            n, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
-        v_cache[blocks, offsets] = torch.randn(n, num_kv_heads, head_dim,
-                                               generator=generator).to(cache_dtype)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
-    scale = head_dim ** -0.5
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
-    assert got.dtype == dtype and not got.isnan().any()
-    reference = _reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
-    tolerance = 2e-2 if cache_dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.double(), reference, atol=tolerance, rtol=tolerance)
-
-
 def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, generator):
     """NaN-filled caches with random keys and values written at each sequence's slots."""
     num_blocks = 1 + sum(-(-n // block_size) for n in lens)
@@ -127,6 +87,29 @@ def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, generator):
         v_cache[blocks, offsets] = torch.randn(n, num_kv_heads, head_dim,
                                                generator=generator).to(dtype)
     return k_cache, v_cache, tables
+
+
+@pytest.mark.skipif(kernels.paged_attention() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (16, 16),
+                                                 (48, 8)])
+@pytest.mark.parametrize("group,window", [(3, 0), (1, 0), (4, 21)])
+def test_paged_decode_attention_matches_float64(dtype, cache_dtype, head_dim, block_size,
+                                                group, window):
+    generator = torch.Generator().manual_seed(head_dim + block_size + group)
+    num_kv_heads = 2
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 130], dtype=torch.int64)
+    k_cache, v_cache, tables = _paged_cache(lens.tolist(), num_kv_heads, head_dim, block_size,
+                                            cache_dtype, generator)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    scale = head_dim ** -0.5
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+    assert got.dtype == dtype and not got.isnan().any()
+    reference = _reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    tolerance = 2e-2 if cache_dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), reference, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
