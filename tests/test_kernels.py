@@ -142,3 +142,50 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
         reference = _reference_decode(q[rows], k_cache, v_cache,
                                       tables[s].expand(new, -1), row_lens, scale, window)
         torch.testing.assert_close(got[rows].double(), reference, atol=2e-2, rtol=2e-2)
+
+
+needs_elementwise = pytest.mark.skipif(
+    not kernels.supports_elementwise(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="no C++ compiler")
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+@needs_elementwise
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_bf16_matches_torch_rounding(with_residual):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=generator).bfloat16()
+    weight = torch.randn(576, generator=generator).bfloat16()
+    residual = torch.randn(37, 576, generator=generator).bfloat16() if with_residual else None
+    summed = x.float() if residual is None else _bf16(x.float() + residual.float())
+    normed = _bf16(summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))
+    expected = (weight.float() * normed).bfloat16()
+    got = kernels.rms_norm_bf16(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2e-2)  # 1 ulp
+    if residual is not None:
+        assert torch.equal(residual.float(), summed)  # the residual stream, updated in place
+
+
+@needs_elementwise
+def test_silu_mul_and_rope_bf16_match_torch():
+    generator = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * 1536, generator=generator).bfloat16()
+    gate, up = gate_up.float().chunk(2, -1)
+    expected = _bf16(torch.nn.functional.silu(gate)) * up.float()
+    torch.testing.assert_close(kernels.silu_mul_bf16(gate_up).float(), expected,
+                               atol=1e-2, rtol=1e-2)
+    qkv = torch.randn(5, 3 * 64 + 2 * 64, generator=generator).bfloat16()
+    q = qkv[:, :192].view(5, 3, 64)  # a strided view into the fused QKV rows, as in a layer
+    positions = torch.tensor([0, 7, 3, 100, 41])
+    angles = torch.outer(torch.arange(128).float(), 1 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    x = q.float()
+    rotated = torch.cat([-x[..., 32:], x[..., :32]], -1)
+    expected = x * cos[positions, None] + rotated * sin[positions, None]
+    untouched = qkv[:, 192:].clone()
+    kernels.rope_bf16_(q, positions, cos, sin)
+    torch.testing.assert_close(q.float(), expected, atol=2e-2, rtol=1e-2)
+    assert torch.equal(qkv[:, 192:], untouched)

@@ -1,7 +1,8 @@
 """Native CPU kernels: compiled at first use with the system C++ compiler, loaded with ctypes.
 
 - paged_attention.cpp: decode attention reading the paged KV cache in place;
-- linear_bf16.cpp: bfloat16 linear layers on AVX512-BF16 CPUs, over weights packed once.
+- linear_bf16.cpp: bfloat16 linear layers on AVX512-BF16 CPUs, over weights packed once;
+- elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
 cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source,
@@ -79,7 +80,7 @@ def _library(name: str) -> Optional[ctypes.CDLL]:
 
 def clear_cache() -> None:
     """Forget loaded kernels, so FULCRUM_DISABLE_KERNELS is read again (tests flip it)."""
-    for cached in (_library, paged_attention, _linear_library):
+    for cached in (_library, paged_attention, _linear_library, _elementwise_library):
         cached.cache_clear()
 
 
@@ -200,3 +201,65 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     if status:
         raise RuntimeError(f"linear_bf16 kernel failed on shape {tuple(rows.shape)}")
     return out.view(*x.shape[:-1], out_features)
+
+
+# ------------------------------------------------------------ bf16 elementwise
+@functools.lru_cache(maxsize=None)
+def _elementwise_library() -> Optional[ctypes.CDLL]:
+    library = _library("elementwise_bf16")
+    if library is None:
+        return None
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    _declare(library, "fulcrum_rms_norm_bf16",
+             [pointer, i64, pointer, pointer, pointer, i64, i32, i32, f32, i32])
+    _declare(library, "fulcrum_silu_mul_bf16", [pointer, pointer, i32, i32, i32])
+    _declare(library, "fulcrum_rope_bf16",
+             [pointer, i64, pointer, pointer, pointer, i32, i32, i32, i32])
+    return library
+
+
+def supports_elementwise(x: torch.Tensor) -> bool:
+    """Whether the fused bf16 kernels take `x` (bf16 on CPU, rows of contiguous values)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1
+            and _elementwise_library() is not None)
+
+
+def _check(status: int, name: str) -> None:
+    if status:
+        raise RuntimeError(f"{name} kernel failed")
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm(x) * weight; with `residual`, first residual += x in place and normalise that.
+    x: [..., width], each row contiguous; residual contiguous, of x's shape."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)  # a view where the strides allow, else a copy
+    out = torch.empty(rows.shape, dtype=torch.bfloat16)
+    _check(_elementwise_library().fulcrum_rms_norm_bf16(
+        rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
+        weight.data_ptr(), out.data_ptr(), out.stride(0), rows.shape[0], width, eps,
+        torch.get_num_threads()), "rms_norm_bf16")
+    return out.view(x.shape)
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [..., 2 * width] (gate first), contiguous."""
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
+    _check(_elementwise_library().fulcrum_silu_mul_bf16(
+        gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1), width,
+        torch.get_num_threads()), "silu_mul_bf16")
+    return out
+
+
+def rope_bf16_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, head_dim] in place (each [heads, head_dim] row
+    contiguous, rows any stride); cos/sin: fp32 [positions, head_dim] tables."""
+    tokens, heads, head_dim = x.shape
+    _check(_elementwise_library().fulcrum_rope_bf16(
+        x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
+        heads, head_dim, torch.get_num_threads()), "rope_bf16")
+    return x

@@ -175,15 +175,16 @@ inline __m512i pair_index(int first, int second) {
 
 constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
 
-// Queries `rows` consecutive positions of one sequence: row r sees the first
-// `first_len + r` tokens of the context (causal), less any sliding window. Every key and
-// value block is rearranged once and then serves all rows x group query vectors, so a
-// prefill chunk costs one pass over its context, not one per row.
+// Queries `rows` consecutive positions of one sequence for KV heads [kv_head, kv_head +
+// heads): row r sees the first `first_len + r` tokens of the context (causal), less any
+// sliding window. Every key and value block is rearranged once per head and then serves all
+// rows x group query vectors, so a prefill chunk costs one pass over its context, not one per
+// row; with all heads in one item (decodes), each block's bytes are read as one stream.
 template <int kDim>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
-                         const int64_t* table, uint16_t* out, int kv_head, int num_kv_heads,
-                         int group, float scale, int window) {
+                         const int64_t* table, uint16_t* out, int kv_head, int heads,
+                         int num_kv_heads, int group, float scale, int window) {
   constexpr int kBlock = 16;
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
@@ -191,7 +192,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   const __m512i values_lo = pair_index(0, 32);    // rows t, t+1 -> (t, t+1) per dim
   const __m512i values_hi = pair_index(16, 48);
   constexpr int kChunk = 4;
-  const int vectors = rows * group;
+  const int per_head = rows * group;  // query vectors of one KV head
+  const int vectors = heads * per_head;
   // Padded to whole chunks: padding lanes accumulate zeros and are never stored.
   __m512 acc[kMaxVectors + kChunk][kVecs];
   float running_max[kMaxVectors + kChunk], running_sum[kMaxVectors + kChunk];
@@ -215,28 +217,40 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     if (hi <= lo) return 0;
     return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
   };
-  auto block_keys = [&](int64_t b) {
-    return k_cache + table[b] * k_block_stride + static_cast<int64_t>(kv_head) * kDim * kBlock;
+  auto block_keys = [&](int64_t b, int h) {
+    return k_cache + table[b] * k_block_stride + static_cast<int64_t>(h) * kDim * kBlock;
   };
-  auto block_values = [&](int64_t b) {
-    return v_cache + table[b] * kBlock * v_token_stride + static_cast<int64_t>(kv_head) * kDim;
+  auto block_values = [&](int64_t b, int h) {
+    return v_cache + table[b] * kBlock * v_token_stride + static_cast<int64_t>(h) * kDim;
   };
+  // Per query vector, fixed for the whole pass: its row and its query's bf16 pairs.
+  int row_of[kMaxVectors];
+  const int32_t* queries[kMaxVectors];
+  for (int i = 0; i < vectors; ++i) {
+    const int h = i / per_head, r = i % per_head / group, g = i % group;
+    row_of[i] = r;
+    queries[i] = reinterpret_cast<const int32_t*>(q + r * q_row_stride +
+                                                  ((kv_head + h) * group + g) * kDim);
+  }
+  __mmask16 row_masks[kMaxVectors];
   for (int64_t b = row_start(first_len) / kBlock; b * kBlock < last_len; ++b) {
     const __mmask16 used = block_mask(b, last_len) | block_mask(b, first_len);
-    const uint16_t* keys = block_keys(b);
-    const uint16_t* values = block_values(b);
+    for (int r = 0; r < rows; ++r) row_masks[r] = block_mask(b, first_len + r);
     if ((b + 1) * kBlock < last_len) {
       // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch
       // the next one while this one is computed.
-      const char* next_keys = reinterpret_cast<const char*>(block_keys(b + 1));
-      for (int line = 0; line < kDim * kBlock * 2; line += 64)
+      const char* next_keys = reinterpret_cast<const char*>(block_keys(b + 1, kv_head));
+      for (int line = 0; line < heads * kDim * kBlock * 2; line += 64)
         _mm_prefetch(next_keys + line, _MM_HINT_T0);
-      const uint16_t* next_values = block_values(b + 1);
+      const uint16_t* next_values = block_values(b + 1, kv_head);
       for (int t = 0; t < kBlock; ++t)
-        for (int line = 0; line < kDim * 2; line += 64)
+        for (int line = 0; line < heads * kDim * 2; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next_values + t * v_token_stride) + line,
                        _MM_HINT_T0);
     }
+    for (int h = 0; h < heads; ++h) {
+    const uint16_t* keys = block_keys(b, kv_head + h);
+    const uint16_t* values = block_values(b, kv_head + h);
     for (int dp = 0; dp < kDimPairs; ++dp)
       key_pairs[dp] = _mm512_permutexvar_epi16(keys_index,
                                                _mm512_loadu_si512(keys + dp * 2 * kBlock));
@@ -255,16 +269,15 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     }
     // Query vectors four at a time: independent dot-product chains keep the FMA pipes
     // busy where one vector's chain would wait on each instruction's latency.
-    for (int i0 = 0; i0 < vectors; i0 += kChunk) {
+    const int head_end = (h + 1) * per_head;
+    for (int i0 = h * per_head; i0 < head_end; i0 += kChunk) {
       __mmask16 valid[kChunk];
       const int32_t* query[kChunk];
       __m512 scores[kChunk];
       for (int c = 0; c < kChunk; ++c) {
-        const int i = std::min(i0 + c, vectors - 1);
-        const int r = i / group;
-        valid[c] = i0 + c < vectors ? block_mask(b, first_len + r) : 0;
-        query[c] = reinterpret_cast<const int32_t*>(q + r * q_row_stride +
-                                                    (kv_head * group + i % group) * kDim);
+        const int i = std::min(i0 + c, head_end - 1);
+        valid[c] = i0 + c < head_end ? row_masks[row_of[i]] : 0;
+        query[c] = queries[i];
         scores[c] = _mm512_setzero_ps();
       }
       if (!(valid[0] | valid[1] | valid[2] | valid[3])) continue;
@@ -275,7 +288,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
       __mmask16 any = 0;
       for (int c = 0; c < kChunk; ++c) {
-        const int i = i0 + c;  // >= vectors: a padding lane, valid[c] == 0
+        const int i = i0 + c;  // >= head_end: a padding lane, valid[c] == 0
         if (!valid[c]) {
           std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
           continue;
@@ -311,16 +324,15 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
         }
       }
     }
+    }
   }
-  for (int r = 0; r < rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int i = r * group + g;
-      const __m512 inv = _mm512_set1_ps(1.f / running_sum[i]);
-      uint16_t* o = out + r * q_row_stride + (kv_head * group + g) * kDim;
-      for (int v = 0; v < kVecs; ++v) {
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
-        std::memcpy(o + 16 * v, &h, sizeof h);
-      }
+  for (int i = 0; i < vectors; ++i) {
+    const int h = i / per_head, r = i % per_head / group, g = i % group;
+    const __m512 inv = _mm512_set1_ps(1.f / running_sum[i]);
+    uint16_t* o = out + r * q_row_stride + ((kv_head + h) * group + g) * kDim;
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
+      std::memcpy(o + 16 * v, &y, sizeof y);
     }
   }
 }
@@ -331,7 +343,7 @@ void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint1
                          const int64_t* table, int64_t context_len, uint16_t* out,
                          int kv_head, int num_kv_heads, int group, int, int, float scale,
                          int window) {
-  attend_bf16_block16<kDim>(q, 0, 1, context_len, k_cache, v_cache, table, out, kv_head,
+  attend_bf16_block16<kDim>(q, 0, 1, context_len, k_cache, v_cache, table, out, kv_head, 1,
                             num_kv_heads, group, scale, window);
 }
 
@@ -344,23 +356,32 @@ int varlen_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16
   const int group = num_heads / num_kv_heads;
   if (group > kMaxVectors) return 1;
   const int tile_rows = kMaxVectors / group;
-  // Work items: (sequence, first row of a tile), each for every KV head.
-  std::vector<std::pair<int, int64_t>> tiles;
-  for (int s = 0; s < num_seqs; ++s)
+  // Work items: a single-token query (a decode) takes all its KV heads at once when they
+  // fit, so each cache block is one contiguous read; a prefill chunk is cut into tiles of
+  // rows, one item per tile and KV head.
+  struct Item { int seq; int64_t row; int kv_head, heads; };
+  std::vector<Item> items;
+  const bool whole_heads = group * num_kv_heads <= kMaxVectors;
+  for (int s = 0; s < num_seqs; ++s) {
+    if (query_start[s + 1] - query_start[s] == 1 && whole_heads) {
+      items.push_back({s, query_start[s], 0, num_kv_heads});
+      continue;
+    }
     for (int64_t r = query_start[s]; r < query_start[s + 1]; r += tile_rows)
-      tiles.emplace_back(s, r);
+      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, r, h, 1});
+  }
   const int64_t q_stride = static_cast<int64_t>(num_heads) * kDim;
-  const int num_items = static_cast<int>(tiles.size()) * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int item = 0; item < num_items; ++item) {
-    const auto [s, row] = tiles[item / num_kv_heads];
-    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, query_start[s + 1] - row));
+  for (size_t index = 0; index < items.size(); ++index) {
+    const Item& item = items[index];
+    const int64_t end = query_start[item.seq + 1];
+    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, end - item.row));
     // Row `row` is query number row - query_start[s] of the sequence's new tokens.
-    const int64_t new_tokens = query_start[s + 1] - query_start[s];
-    const int64_t first_len = seq_lens[s] - new_tokens + (row - query_start[s]) + 1;
-    attend_bf16_block16<kDim>(q + row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
-                              tables + static_cast<int64_t>(s) * max_blocks, out + row * q_stride,
-                              item % num_kv_heads, num_kv_heads, group, scale, window);
+    const int64_t first_len = seq_lens[item.seq] - (end - item.row) + 1;
+    attend_bf16_block16<kDim>(q + item.row * q_stride, q_stride, rows, first_len, k_cache,
+                              v_cache, tables + static_cast<int64_t>(item.seq) * max_blocks,
+                              out + item.row * q_stride, item.kv_head, item.heads,
+                              num_kv_heads, group, scale, window);
   }
   return 0;
 }

@@ -51,11 +51,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """RMSNorm(x); given `residual`, (RMSNorm(x + residual), x + residual), the fused
+        residual add of vLLM's layers (in place on `residual` on the kernel path)."""
+        if kernels.supports_elementwise(x) and self.weight.dtype == torch.bfloat16:
+            out = kernels.rms_norm_bf16(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * normed.to(dtype)
+        return out if residual is None else (out, residual)
 
 
 # ------------------------------------------------------------------------- rotary
@@ -97,16 +105,36 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
-        """cos/sin rows for this step's positions, looked up once and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        """This step's positions, with their cos/sin rows looked up once for every layer
+        (the bf16 kernel reads the full tables instead)."""
+        if dtype == torch.bfloat16 and _rope_kernel_applies(positions):
+            return RopeTable(positions, self.cos, self.sin, None, None)
+        return RopeTable(positions, self.cos, self.sin,
+                         self.cos[positions].unsqueeze(1).to(dtype),
+                         self.sin[positions].unsqueeze(1).to(dtype))
 
 
-RopeTable = Tuple[torch.Tensor, torch.Tensor]
+@dataclass
+class RopeTable:
+    positions: torch.Tensor
+    cos_table: torch.Tensor  # fp32 [max_positions, head_dim]
+    sin_table: torch.Tensor
+    cos: Optional[torch.Tensor]  # [tokens, 1, head_dim] in the model's dtype (torch path)
+    sin: Optional[torch.Tensor]
+
+
+def _rope_kernel_applies(positions: torch.Tensor) -> bool:
+    return positions.device.type == "cpu" and kernels.supports_elementwise(
+        torch.empty(0, dtype=torch.bfloat16))
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-    cos, sin = rope
+    """x [tokens, heads, head_dim] rotated (in place on the kernel path)."""
+    if rope.cos is None and x.stride(1) == x.shape[2] and x.stride(2) == 1:
+        return kernels.rope_bf16_(x, rope.positions, rope.cos_table, rope.sin_table)
+    cos, sin = (rope.cos, rope.sin) if rope.cos is not None else (
+        rope.cos_table[rope.positions].unsqueeze(1).to(x.dtype),
+        rope.sin_table[rope.positions].unsqueeze(1).to(x.dtype))
     return x * cos + _rotate_half(x) * sin
 
 
@@ -205,7 +233,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.supports_elementwise(gate_up):
+            return self.down_proj(kernels.silu_mul_bf16(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -217,9 +248,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, rope, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, meta):
+        """(output, residual stream): the residual adds are fused into the next norm."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -235,9 +272,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
