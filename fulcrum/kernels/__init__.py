@@ -5,10 +5,10 @@
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
-cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source,
-the compiler and this CPU's instruction-set flags. Where no compiler is found, the build
-fails or the CPU lacks the instructions, the portable torch path is used instead. Set
-FULCRUM_DISABLE_KERNELS=1 to force the torch path.
+cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source
+and the headers beside it, the compiler and this CPU's instruction-set flags. Where no
+compiler is found, the build fails or the CPU lacks the instructions, the portable torch
+path is used instead. Set FULCRUM_DISABLE_KERNELS=1 to force the torch path.
 
 The kernels are linked with -fopenmp; their libgomp.so.1 resolves to the one torch has
 already loaded, so all share one OpenMP thread pool.
@@ -45,7 +45,8 @@ def _cpu_flags() -> str:
 
 
 def _build(source: Path, compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(),
+    headers = [h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(),
                                      " ".join(FLAGS).encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))

@@ -8,22 +8,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
-  return static_cast<uint16_t>(bits >> 16);
-}
+using fulcrum::bf16_to_float;
+using fulcrum::float_to_bf16;
 
 constexpr int kMaxWidth = 16384;
 

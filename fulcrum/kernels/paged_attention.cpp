@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -22,19 +24,8 @@ constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 128;
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using fulcrum::bf16_to_float;
+using fulcrum::float_to_bf16;
 
 inline void load_row(const float* src, float* dst, int n) {
 #pragma omp simd
