@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 fulcrum bench sweep --shape smollm2-135m --dataset mixed --num-prompts 32 --input-len 64 \
     --output-len 32 --long-num-prompts 2 --long-input-len 2048 --request-rate 4 \
-    --grid "max_num_batched_tokens=256,1024,4096" --grid "long_prefill_token_threshold=64,256" \
+    --grid "max_num_batched_tokens=256,1024,2048" --grid "long_prefill_token_threshold=64,256" \
     --grid "enable_chunked_prefill=false" --grid "batching_mode=static" \
     --output-dir benchmarks/results/sweep "$@"

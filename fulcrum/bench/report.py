@@ -51,13 +51,20 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
     "fulcrum": (), "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
     "fulcrum-static": ("--batching-mode", "static")}
-ENGINES = (*FULCRUM_VARIANTS, "hf", "vllm")
+# vLLM with its defaults, and with the setting that serves the mixed workload best (a smaller
+# step budget and a cap on one prompt's chunk, as fulcrum's defaults have).
+VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
+    "vllm": (), "vllm-tuned": ("--max-num-batched-tokens", "512",
+                               "--long-prefill-token-threshold", "256")}
+ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS)
 DESCRIPTIONS = {
     "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill)",
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
-    "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)"}
+    "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)",
+    "vllm-tuned": "the same with --max-num-batched-tokens 512 --long-prefill-token-threshold "
+                  "256"}
 
 
 @dataclass(frozen=True)
@@ -115,9 +122,10 @@ def free_port() -> int:
 def server_command(engine: str, model_dir: str, dummy: bool, port: int,
                    max_model_len: int) -> List[str]:
     load_format = "dummy" if dummy else "auto"
-    if engine == "vllm":
+    if engine in VLLM_VARIANTS:
         return ["bash", str(PEER_SCRIPT), "serve", model_dir, str(port), "--dtype", VLLM_DTYPE,
-                "--max-model-len", str(max_model_len), "--load-format", load_format]
+                "--max-model-len", str(max_model_len), "--load-format", load_format,
+                *VLLM_VARIANTS[engine]]
     return [sys.executable, "-m", "fulcrum", "serve", model_dir, "--port", str(port),
             "--load-format", load_format, "--dtype", FULCRUM_DTYPE,
             "--max-model-len", str(max_model_len), *FULCRUM_VARIANTS[engine]]
@@ -271,6 +279,17 @@ def machine_facts() -> Dict[str, Any]:
             "date": datetime.datetime.now().isoformat(timespec="minutes")}
 
 
+def model_shape(model_dir: str) -> str:
+    """The sizes that set a model's cost, from its config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {heads} heads "
+            f"({cfg.get('num_key_value_heads', heads)} KV) of {head_dim}, FFN "
+            f"{cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}"
+            + (", tied embeddings" if cfg.get("tie_word_embeddings") else ""))
+
+
 def command_line(args: argparse.Namespace) -> str:
     words = ["fulcrum", "bench", "report", "--out", args.out, "--repeats", str(args.repeats),
              "--engines", args.engines]
@@ -304,16 +323,17 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         + (f", vLLM {setup['vllm_version']}" if setup.get("vllm_version") else ""),
         f"- date: {facts['date']}", "",
         "## Model and engines", "",
-        f"Model: {setup['model']} ({setup['weights']} weights), max_model_len "
-        f"{setup['max_model_len']}.", "",
+        f"Model: {setup['model']} ({setup['weights']} weights; {setup['model_shape']}), "
+        f"max_model_len {setup['max_model_len']}.", "",
         "| engine | what runs | dtype |", "|---|---|---|"]
-    lines += [f"| {e} | {DESCRIPTIONS[e]} | {VLLM_DTYPE if e == 'vllm' else FULCRUM_DTYPE} |"
-              for e in results]
+    lines += [f"| {e} | {DESCRIPTIONS[e]} | "
+              f"{VLLM_DTYPE if e in VLLM_VARIANTS else FULCRUM_DTYPE} |" for e in results]
     if setup.get("vllm_note"):
         lines += ["", setup["vllm_note"]]
     if "vllm" in results:
-        lines += ["", "Each table ends with fulcrum / vLLM per column: above 1, fulcrum's "
-                  "number is larger (better for throughput, worse for latency and makespan)."]
+        lines += ["", "Each table ends with fulcrum / vLLM per column (and fulcrum / vLLM tuned "
+                  "where that ran): above 1, fulcrum's number is larger (better for throughput, "
+                  "worse for latency and makespan)."]
     if "hf" in results:
         lines += ["", "HF transformers has no server: its `generate` takes a whole batch and "
                   "returns when the batch is done, so it has no per-request TTFT or TPOT to "
@@ -333,7 +353,9 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
             else:
                 cells = [_fmt(outcome[workload]["median"][h]) for h in headings]
             lines.append(f"| {engine} | " + " | ".join(cells) + " |")
-        lines += _ratio_row(results, workload, headings) + _failures(results, workload)
+        lines += (_ratio_row(results, workload, headings, "vllm")
+                  + _ratio_row(results, workload, headings, "vllm-tuned")
+                  + _failures(results, workload))
     if setup.get("sweep_plot"):
         lines += ["", f"Scheduler settings on the mixed scenario, throughput against latency: "
                   f"[sweep plot]({setup['sweep_plot']})."]
@@ -353,16 +375,18 @@ def _failures(results: Dict[str, Any], workload: str) -> List[str]:
     return lines
 
 
-def _ratio_row(results: Dict[str, Any], workload: str, headings: List[str]) -> List[str]:
-    """fulcrum / vLLM per column, when both ran this workload."""
-    ours, theirs = results.get("fulcrum", {}), results.get("vllm", {})
+def _ratio_row(results: Dict[str, Any], workload: str, headings: List[str],
+               peer: str) -> List[str]:
+    """fulcrum / `peer` per column, when both ran this workload."""
+    ours, theirs = results.get("fulcrum", {}), results.get(peer, {})
     if workload not in ours or workload not in theirs:
         return []
     cells = []
     for heading in headings:
         a, b = ours[workload]["median"][heading], theirs[workload]["median"][heading]
         cells.append(f"{a / b:.2f}x" if a is not None and b else "-")
-    return ["| **fulcrum / vLLM** | " + " | ".join(cells) + " |"]
+    name = "vLLM tuned" if peer == "vllm-tuned" else "vLLM"
+    return [f"| **fulcrum / {name}** | " + " | ".join(cells) + " |"]
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -376,8 +400,8 @@ def run_report(args: argparse.Namespace) -> int:
     dummy = args.model is None
     timed = [workloads(scale, seed) for seed in range(args.repeats)]
     version = vllm_version()
-    if "vllm" in engines and version is None:
-        engines.remove("vllm")
+    if version is None and set(engines) & set(VLLM_VARIANTS):
+        engines = [e for e in engines if e not in VLLM_VARIANTS]
         note = (f"vLLM was not measured: its CPU build is not installed at {VLLM_VENV}. "
                 "Install it with `bash ../shared/peers/vllm-cpu.sh install` (about 10 "
                 "minutes) and run the command below again.")
@@ -401,8 +425,9 @@ def run_report(args: argparse.Namespace) -> int:
         results[engine] = {w: {"median": _median(r), "runs": r} for w, r in runs.items()}
     md_path = Path(args.out)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"setup": _setup(args, scale, model_dir, dummy, version if "vllm" in engines
-                            else None, note, md_path), "results": results}
+    measured_vllm = version if set(engines) & set(VLLM_VARIANTS) else None
+    data = {"setup": _setup(args, scale, model_dir, dummy, measured_vllm, note, md_path),
+            "results": results}
     md_path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     md_path.write_text(render(data, md_path))
     print(f"wrote {md_path} and {md_path.with_suffix('.json')}")
@@ -419,6 +444,7 @@ def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
         "machine": machine_facts(), "vllm_version": version, "vllm_note": note,
         "model": f"{DEFAULT_SHAPE} shape" if dummy else Path(model_dir).name,
         "model_dir": model_dir, "weights": "dummy (random)" if dummy else "real",
+        "model_shape": model_shape(model_dir),
         "max_model_len": scale.max_model_len, "repeats": args.repeats, "quick": args.quick,
         "workloads": {
             "throughput": f"{n} requests of {prompt} prompt tokens -> {out} output tokens",

@@ -1,6 +1,7 @@
 """Native CPU kernels: compiled at first use with the system C++ compiler, loaded with ctypes.
 
-- paged_attention.cpp: decode attention reading the paged KV cache in place;
+- paged_attention.cpp: attention reading the paged KV cache in place (decodes; in bf16
+  whole steps, prefill chunks too);
 - linear_bf16.cpp: bfloat16 linear layers on AVX512-BF16 CPUs, over weights packed once;
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass.
 
