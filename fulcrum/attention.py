@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,13 @@ class AttentionBackend(ABC):
     # Whether decodes and prefill chunks are attended separately: then the runner builds
     # the decode_* fields and one PrefillSpan (context slots, mask) per chunk.
     splits = True
+
+    def cache_shapes(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                     head_dim: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """(key, value) cache tensor shapes: keys [blocks, kv_heads, head_dim, block_size]
+        (see `key_slots`), values [blocks, block_size, kv_heads, head_dim]."""
+        return ((num_blocks, num_kv_heads, head_dim, block_size),
+                (num_blocks, block_size, num_kv_heads, head_dim))
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,13 +160,18 @@ class CpuVarlenAttentionBackend(AttentionBackend):
     """bf16 on AVX512-BF16 CPUs: all of a step's query tokens, decodes and prefill chunks
     alike, in one native call that reads keys and values in place from the block tables.
     No context is gathered and no mask is built, so a chunk costs the same whether its
-    context came from this prompt's earlier chunks or from the prefix cache."""
+    context came from this prompt's earlier chunks or from the prefix cache. Its cache is
+    stored in the dot-product instruction's pair layout (`kernels.varlen_cache_shapes`), so
+    the rearranging happens once per token written, not once per token read each step."""
 
     reads_padding = False
     splits = False
 
+    def cache_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return kernels.varlen_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
         return kernels.paged_varlen_attention(q, k_cache, v_cache, meta.block_tables,
                                               meta.query_start_loc, meta.seq_lens, scale,
                                               meta.sliding_window)

@@ -67,8 +67,7 @@ class LLMEngine:
         self.vocab_size = model.spec.vocab_size
         num_blocks = num_kv_blocks(self.config, model.spec, self.kv_cache_dtype, self.device)
         caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size,
-                                    self.kv_cache_dtype, self.device,
-                                    zeroed=backend.reads_padding)
+                                    self.kv_cache_dtype, self.device, backend)
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)

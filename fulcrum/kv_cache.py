@@ -23,6 +23,7 @@ from typing import List
 
 import torch
 
+from fulcrum.attention import AttentionBackend
 from fulcrum.config import EngineConfig
 from fulcrum.models.layers import DecoderSpec, KVCache
 
@@ -87,12 +88,13 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
 
 def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device,
-                       zeroed: bool) -> List[KVCache]:
-    """Per-layer (key, value) tensors. Unzeroed memory is only committed as blocks get used,
-    which is right for a backend that never reads a slot before writing it."""
-    k_shape = (num_blocks, spec.num_kv_heads, spec.head_dim, block_size)
-    v_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    make = torch.zeros if zeroed else torch.empty
+                       backend: AttentionBackend) -> List[KVCache]:
+    """Per-layer (key, value) tensors in the backend's layout. Unzeroed memory is only
+    committed as blocks get used, which is right for a backend that never reads a slot
+    before writing it."""
+    k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, spec.num_kv_heads,
+                                            spec.head_dim)
+    make = torch.zeros if backend.reads_padding else torch.empty
     caches = []
     for _ in range(spec.num_layers):
         k = make(k_shape, dtype=dtype, device=device)

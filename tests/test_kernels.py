@@ -112,6 +112,27 @@ def test_paged_decode_attention_matches_float64(dtype, cache_dtype, head_dim, bl
     torch.testing.assert_close(got.double(), reference, atol=tolerance, rtol=tolerance)
 
 
+def _slot_rows(k_cache, v_cache, tables, lens):
+    """All written slots, and their [slots, kv_heads, head_dim] keys and values."""
+    block_size = v_cache.shape[1]
+    slots = torch.cat([tables[s][torch.arange(n) // block_size] * block_size
+                       + torch.arange(n) % block_size for s, n in enumerate(lens)])
+    blocks, offsets = slots // block_size, slots % block_size
+    return slots, k_cache.permute(0, 3, 1, 2)[blocks, offsets], v_cache[blocks, offsets]
+
+
+def _to_pair_layout(k_cache, v_cache, tables, lens):
+    """The same cache contents in the varlen kernel's layout (unwritten slots NaN)."""
+    num_blocks, num_kv_heads, head_dim, block_size = k_cache.shape
+    k_shape, v_shape = kernels.varlen_cache_shapes(num_blocks, block_size, num_kv_heads,
+                                                   head_dim)
+    pair_k = torch.full(k_shape, math.nan, dtype=k_cache.dtype)
+    pair_v = torch.full(v_shape, math.nan, dtype=v_cache.dtype)
+    slots, keys, values = _slot_rows(k_cache, v_cache, tables, lens)
+    kernels.write_kv_bf16(keys, values, pair_k, pair_v, slots)
+    return pair_k, pair_v
+
+
 @pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
                     reason="no AVX512-BF16 attention kernel on this machine")
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -127,12 +148,13 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
     lens = [n for n, _ in shapes]
     k_cache, v_cache, tables = _paged_cache(lens, num_kv_heads, head_dim, block_size,
                                             torch.bfloat16, generator)
+    pair_k, pair_v = _to_pair_layout(k_cache, v_cache, tables, lens)
     news = torch.tensor([q for _, q in shapes])
     query_start = torch.cat([torch.zeros(1, dtype=torch.int64), news.cumsum(0)])
     q = torch.randn(int(news.sum()), num_kv_heads * group, head_dim,
                     generator=generator).bfloat16()
     scale = head_dim ** -0.5
-    got = kernels.paged_varlen_attention(q, k_cache, v_cache, tables, query_start,
+    got = kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
                                          torch.tensor(lens), scale, window)
     assert not got.isnan().any()
     for s, (n, new) in enumerate(shapes):
@@ -189,3 +211,22 @@ def test_silu_mul_and_rope_bf16_match_torch():
     kernels.rope_bf16_(q, positions, cos, sin)
     torch.testing.assert_close(q.float(), expected, atol=2e-2, rtol=1e-2)
     assert torch.equal(qkv[:, 192:], untouched)
+
+
+@pytest.mark.skipif(kernels.paged_attention() is None, reason="no C++ compiler")
+def test_write_kv_bf16_stores_each_slot_in_the_pair_layout():
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 6 * 64, generator=generator).bfloat16()
+    k, v = qkv[:, 128:256].view(6, 2, 64), qkv[:, 256:].view(6, 2, 64)  # strided views
+    slots = torch.tensor([3, 17, 18, 40, 0, 63])
+    k_shape, v_shape = kernels.varlen_cache_shapes(4, 16, 2, 64)
+    k_cache = torch.zeros(k_shape, dtype=torch.bfloat16)
+    v_cache = torch.zeros(v_shape, dtype=torch.bfloat16)
+    kernels.write_kv_bf16(k, v, k_cache, v_cache, slots)
+    blocks, offsets = slots // 16, slots % 16
+    # keys [B, H, D/2, 16, 2] -> [B, 16, H, D]; values [B, H, 8, D, 2] -> [B, 16, H, D]
+    keys = k_cache.permute(0, 3, 1, 2, 4).reshape(4, 16, 2, 64)
+    values = v_cache.permute(0, 2, 4, 1, 3).reshape(4, 16, 2, 64)
+    assert torch.equal(keys[blocks, offsets], k)
+    assert torch.equal(values[blocks, offsets], v)
+    assert int((keys != 0).any(-1).any(-1).sum()) == len(slots)  # nothing else written

@@ -236,6 +236,17 @@ def hf_runs(model_dir: str, dummy: bool, loads: List[Schedule]) -> Dict[str, Any
     return {"throughput": runs}
 
 
+def overhead_run(model_dir: str, dummy: bool, load: Schedule) -> Dict[str, float]:
+    """fulcrum offline on the throughput workload's requests: the per-step overhead while
+    all of them decode (a fresh process, like HF's runs)."""
+    from fulcrum.bench.throughput import measure_step_overhead, run_isolated
+
+    kwargs = {"dtype": FULCRUM_DTYPE, "load_format": "dummy" if dummy else "auto"}
+    result = run_isolated(measure_step_overhead, model_dir, kwargs, [r for _, r in load])
+    print(f"  step overhead: {result}", flush=True)
+    return result
+
+
 def _median(runs: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
     medians = {}
     for heading in runs[0]["metrics"]:
@@ -356,9 +367,22 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         lines += (_ratio_row(results, workload, headings, "vllm")
                   + _ratio_row(results, workload, headings, "vllm-tuned")
                   + _failures(results, workload))
+    if data.get("step_overhead"):
+        o = data["step_overhead"]
+        lines += ["", "## Per-step overhead", "",
+                  f"fulcrum offline, {o['running_requests']} requests decoding together (the "
+                  f"throughput workload's, {o['steps']} steps): a step takes {o['step_ms']:.1f} "
+                  f"ms (median), its forward pass {o['forward_ms']:.1f} ms; the share outside "
+                  f"the forward (scheduling, input preparation, sampling, detokenisation) is "
+                  f"**{100 * o['overhead_fraction']:.1f}%** (median over steps)."]
     if setup.get("sweep_plot"):
-        lines += ["", f"Scheduler settings on the mixed scenario, throughput against latency: "
-                  f"[sweep plot]({setup['sweep_plot']})."]
+        table = str(Path(setup["sweep_plot"]).with_suffix(".md"))
+        lines += ["", "## The trade-off, over scheduler settings", "",
+                  "fulcrum offline on a head-of-line scenario (long prompts at the start, short "
+                  "ones arriving at 4/s), one point per scheduler setting: total throughput "
+                  "against the short requests' TTFT p99 (left) and TPOT p99 (right), Pareto "
+                  f"front in red ([table]({table}); `bash benchmarks/sweep_mixed.sh` "
+                  "regenerates it).", "", f"![sweep]({setup['sweep_plot']})"]
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
 
@@ -428,6 +452,9 @@ def run_report(args: argparse.Namespace) -> int:
     measured_vllm = version if set(engines) & set(VLLM_VARIANTS) else None
     data = {"setup": _setup(args, scale, model_dir, dummy, measured_vllm, note, md_path),
             "results": results}
+    if "fulcrum" in engines:
+        print("[fulcrum step overhead]", flush=True)
+        data["step_overhead"] = overhead_run(model_dir, dummy, timed[0]["throughput"])
     md_path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     md_path.write_text(render(data, md_path))
     print(f"wrote {md_path} and {md_path.with_suffix('.json')}")

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,7 +75,28 @@ def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
                             peak_rss_mib())
 
 
-def run_isolated(function: Callable[..., ThroughputResult], *args: Any) -> ThroughputResult:
+def measure_step_overhead(model_dir: str, engine_kwargs: Dict[str, Any],
+                          requests: List[SampleRequest]) -> Dict[str, float]:
+    """The share of a step's wall time spent outside the model's forward pass (scheduling,
+    input preparation, sampling, detokenisation), over the steps in which every request of
+    the batch decodes: medians of step and forward time, and the overhead fraction."""
+    from fulcrum.llm import LLM
+
+    llm = LLM(model_dir, **engine_kwargs)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+              for r in requests]
+    llm.generate([r.engine_prompt() for r in requests], params, use_tqdm=False)
+    steps = [s for s in llm.llm_engine.stats
+             if s.num_prefill_tokens == 0 and s.num_decode_tokens == len(requests)]
+    wall = statistics.median(s.wall_seconds for s in steps)
+    forward = statistics.median(s.forward_seconds for s in steps)
+    return {"running_requests": len(requests), "steps": len(steps),
+            "step_ms": wall * 1e3, "forward_ms": forward * 1e3,
+            "overhead_fraction": statistics.median(
+                1 - s.forward_seconds / s.wall_seconds for s in steps)}
+
+
+def run_isolated(function: Callable[..., Any], *args: Any) -> Any:
     """Run `function(*args)` in a fresh spawned process and return its result."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:

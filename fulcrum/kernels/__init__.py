@@ -101,6 +101,9 @@ def paged_attention() -> Optional[ctypes.CDLL]:
             _declare(library, name, [pointer] * 6 + [i32] * 6 + [f32, i32, i32])
         _declare(library, "paged_varlen_attention_bf16",
                  [pointer] * 7 + [i32] * 6 + [f32, i32, i32])
+        i64 = ctypes.c_int64
+        _declare(library, "paged_write_kv_bf16",
+                 [pointer, i64, pointer, i64, pointer, pointer, pointer] + [i32] * 4)
     return library
 
 
@@ -140,15 +143,39 @@ def supports_varlen(dtype: torch.dtype, cache_dtype: torch.dtype, group_size: in
             and paged_attention().paged_varlen_attention_bf16_supported() == 1)
 
 
+def varlen_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int,
+                        head_dim: int) -> tuple:
+    """(key, value) cache shapes of the bf16 varlen kernel: keys [blocks, kv_heads, head_dim
+    / 2, block_size, 2] and values [blocks, kv_heads, block_size / 2, head_dim, 2], the
+    operand order of the CPU's bf16 dot-product instruction (see paged_attention.cpp)."""
+    return ((num_blocks, num_kv_heads, head_dim // 2, block_size, 2),
+            (num_blocks, num_kv_heads, block_size // 2, head_dim, 2))
+
+
+def write_kv_bf16(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] (bf16; each token's heads contiguous, tokens any
+    stride) at their slots of the caches, in `paged_varlen_attention`'s pair layouts."""
+    tokens, num_kv_heads, head_dim = k.shape
+    for x in (k, v):
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError("write_kv_bf16 needs each token's heads contiguous")
+    paged_attention().paged_write_kv_bf16(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_kv_heads, head_dim,
+        torch.get_num_threads())
+
+
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """q: [T, Hq, D], the step's query tokens grouped by sequence (`query_start`, [S + 1]);
-    sequence s's rows are the newest tokens of its seq_lens[s]-token context."""
+    sequence s's rows are the newest tokens of its seq_lens[s]-token context. Caches in the
+    pair layouts of `varlen_cache_shapes`."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = v_cache.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     status = paged_attention().paged_varlen_attention_bf16(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],

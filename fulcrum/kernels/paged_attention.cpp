@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -155,22 +154,19 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512i pair_index(int first, int second) {
-  alignas(64) uint16_t index[32];
-  for (int i = 0; i < 16; ++i) {
-    index[2 * i] = static_cast<uint16_t>(first + i);
-    index[2 * i + 1] = static_cast<uint16_t>(second + i);
-  }
-  return _mm512_load_si512(index);
-}
-
 constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
 
+// The bf16 cache layouts of this path (fulcrum/attention.py, CpuVarlenAttentionBackend),
+// both [blocks, kv_heads, ...] so one block's heads are contiguous:
+//   keys   [blocks, kv_heads, head_dim / 2, 16 tokens, 2]: (dim, dim + 1) pairs per token;
+//   values [blocks, kv_heads, 8 token pairs, head_dim, 2]: (token, token + 1) pairs per dim.
+// Both are the operand order of vdpbf16ps, so the kernel feeds cache lines to it unchanged.
+//
 // Queries `rows` consecutive positions of one sequence for KV heads [kv_head, kv_head +
 // heads): row r sees the first `first_len + r` tokens of the context (causal), less any
-// sliding window. Every key and value block is rearranged once per head and then serves all
-// rows x group query vectors, so a prefill chunk costs one pass over its context, not one per
-// row; with all heads in one item (decodes), each block's bytes are read as one stream.
+// sliding window. Each block is read once per work item and serves all its rows x group
+// query vectors, so a prefill chunk costs one pass over its context, not one per row; with
+// all heads in one item (decodes), a block's bytes are one contiguous read.
 template <int kDim>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
@@ -179,9 +175,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   constexpr int kBlock = 16;
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
-  const __m512i keys_index = pair_index(0, 16);   // rows d, d+1 -> (d, d+1) per token
-  const __m512i values_lo = pair_index(0, 32);    // rows t, t+1 -> (t, t+1) per dim
-  const __m512i values_hi = pair_index(16, 48);
+  constexpr int kTile = kDim * kBlock;  // bf16 values of one block and head
   constexpr int kChunk = 4;
   const int per_head = rows * group;  // query vectors of one KV head
   const int vectors = heads * per_head;
@@ -193,10 +187,6 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     running_max[i] = -1e30f;
     running_sum[i] = 0.f;
   }
-  __m512i key_pairs[kDimPairs];
-  __m512i value_pairs[kBlock / 2][kVecs];
-  const int64_t k_block_stride = static_cast<int64_t>(num_kv_heads) * kDim * kBlock;
-  const int64_t v_token_stride = static_cast<int64_t>(num_kv_heads) * kDim;
   const int64_t last_len = first_len + rows - 1;
   auto row_start = [&](int64_t len) {
     return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
@@ -208,11 +198,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     if (hi <= lo) return 0;
     return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
   };
-  auto block_keys = [&](int64_t b, int h) {
-    return k_cache + table[b] * k_block_stride + static_cast<int64_t>(h) * kDim * kBlock;
-  };
-  auto block_values = [&](int64_t b, int h) {
-    return v_cache + table[b] * kBlock * v_token_stride + static_cast<int64_t>(h) * kDim;
+  auto tile = [&](const uint16_t* cache, int64_t b, int h) {
+    return cache + (table[b] * num_kv_heads + h) * kTile;
   };
   // Per query vector, fixed for the whole pass: its row and its query's bf16 pairs.
   int row_of[kMaxVectors];
@@ -230,91 +217,76 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     if ((b + 1) * kBlock < last_len) {
       // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch
       // the next one while this one is computed.
-      const char* next_keys = reinterpret_cast<const char*>(block_keys(b + 1, kv_head));
-      for (int line = 0; line < heads * kDim * kBlock * 2; line += 64)
-        _mm_prefetch(next_keys + line, _MM_HINT_T0);
-      const uint16_t* next_values = block_values(b + 1, kv_head);
-      for (int t = 0; t < kBlock; ++t)
-        for (int line = 0; line < heads * kDim * 2; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next_values + t * v_token_stride) + line,
-                       _MM_HINT_T0);
+      for (const uint16_t* cache : {k_cache, v_cache}) {
+        const char* next = reinterpret_cast<const char*>(tile(cache, b + 1, kv_head));
+        for (int line = 0; line < heads * kTile * 2; line += 64)
+          _mm_prefetch(next + line, _MM_HINT_T0);
+      }
     }
     for (int h = 0; h < heads; ++h) {
-    const uint16_t* keys = block_keys(b, kv_head + h);
-    const uint16_t* values = block_values(b, kv_head + h);
-    for (int dp = 0; dp < kDimPairs; ++dp)
-      key_pairs[dp] = _mm512_permutexvar_epi16(keys_index,
-                                               _mm512_loadu_si512(keys + dp * 2 * kBlock));
-    for (int tp = 0; tp < kBlock / 2; ++tp) {
-      // Unwritten slots may hold NaN: tokens no row sees are read as zeros.
-      const __mmask32 row0 = (used >> (2 * tp)) & 1 ? ~0u : 0u;
-      const __mmask32 row1 = (used >> (2 * tp + 1)) & 1 ? ~0u : 0u;
-      const uint16_t* r0 = values + (2 * tp) * v_token_stride;
-      const uint16_t* r1 = r0 + v_token_stride;
-      for (int c = 0; c < kVecs / 2; ++c) {
-        const __m512i a = _mm512_maskz_loadu_epi16(row0, r0 + 32 * c);
-        const __m512i e = _mm512_maskz_loadu_epi16(row1, r1 + 32 * c);
-        value_pairs[tp][2 * c] = _mm512_permutex2var_epi16(a, values_lo, e);
-        value_pairs[tp][2 * c + 1] = _mm512_permutex2var_epi16(a, values_hi, e);
-      }
-    }
-    // Query vectors four at a time: independent dot-product chains keep the FMA pipes
-    // busy where one vector's chain would wait on each instruction's latency.
-    const int head_end = (h + 1) * per_head;
-    for (int i0 = h * per_head; i0 < head_end; i0 += kChunk) {
-      __mmask16 valid[kChunk];
-      const int32_t* query[kChunk];
-      __m512 scores[kChunk];
-      for (int c = 0; c < kChunk; ++c) {
-        const int i = std::min(i0 + c, head_end - 1);
-        valid[c] = i0 + c < head_end ? row_masks[row_of[i]] : 0;
-        query[c] = queries[i];
-        scores[c] = _mm512_setzero_ps();
-      }
-      if (!(valid[0] | valid[1] | valid[2] | valid[3])) continue;
-      for (int dp = 0; dp < kDimPairs; ++dp)
-        for (int c = 0; c < kChunk; ++c)
-          scores[c] = _mm512_dpbf16_ps(scores[c], as_bh(_mm512_set1_epi32(query[c][dp])),
-                                       as_bh(key_pairs[dp]));
-      alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
-      __mmask16 any = 0;
-      for (int c = 0; c < kChunk; ++c) {
-        const int i = i0 + c;  // >= head_end: a padding lane, valid[c] == 0
-        if (!valid[c]) {
-          std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
-          continue;
-        }
-        any |= valid[c];
-        const __m512 scaled = _mm512_mul_ps(scores[c], _mm512_set1_ps(scale));
-        const float tile_max =
-            std::max(running_max[i], _mm512_mask_reduce_max_ps(valid[c], scaled));
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid[c], exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
-        const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
-        std::memcpy(p_pairs[c], &p_bf16, sizeof p_pairs[c]);
-        // The sum of the rounded weights, so the output stays their exact average.
-        const float tile_sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
-        if (tile_max > running_max[i]) {
-          const float correction = std::exp(running_max[i] - tile_max);
-          const __m512 corr = _mm512_set1_ps(correction);
-          for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], corr);
-          running_sum[i] *= correction;
-          running_max[i] = tile_max;
-        }
-        running_sum[i] += tile_sum;
-      }
-      const int first_pair = __builtin_ctz(any) / 2;
-      const int end_pair = (16 - __builtin_clz(static_cast<unsigned>(any) << 16) + 1) / 2;
-      for (int tp = first_pair; tp < end_pair; ++tp) {
+      const __m512i* key_pairs = reinterpret_cast<const __m512i*>(tile(k_cache, b, kv_head + h));
+      const uint16_t* value_pairs = tile(v_cache, b, kv_head + h);
+      // Query vectors four at a time: independent dot-product chains keep the FMA pipes
+      // busy where one vector's chain would wait on each instruction's latency.
+      const int head_end = (h + 1) * per_head;
+      for (int i0 = h * per_head; i0 < head_end; i0 += kChunk) {
+        __mmask16 valid[kChunk];
+        const int32_t* query[kChunk];
+        __m512 scores[kChunk];
         for (int c = 0; c < kChunk; ++c) {
-          const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][tp]));
+          const int i = std::min(i0 + c, head_end - 1);
+          valid[c] = i0 + c < head_end ? row_masks[row_of[i]] : 0;
+          query[c] = queries[i];
+          scores[c] = _mm512_setzero_ps();
+        }
+        if (!(valid[0] | valid[1] | valid[2] | valid[3])) continue;
+        for (int dp = 0; dp < kDimPairs; ++dp) {
+          const __m512bh keys = as_bh(_mm512_loadu_si512(key_pairs + dp));
+          for (int c = 0; c < kChunk; ++c)
+            scores[c] = _mm512_dpbf16_ps(scores[c], as_bh(_mm512_set1_epi32(query[c][dp])),
+                                         keys);
+        }
+        alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
+        for (int c = 0; c < kChunk; ++c) {
+          const int i = i0 + c;  // >= head_end: a padding lane, valid[c] == 0
+          if (!valid[c]) {
+            std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
+            continue;
+          }
+          const __m512 scaled = _mm512_mul_ps(scores[c], _mm512_set1_ps(scale));
+          const float tile_max =
+              std::max(running_max[i], _mm512_mask_reduce_max_ps(valid[c], scaled));
+          const __m512 p = _mm512_maskz_mov_ps(
+              valid[c], exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
+          const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+          std::memcpy(p_pairs[c], &p_bf16, sizeof p_pairs[c]);
+          // The sum of the rounded weights, so the output stays their exact average.
+          const float tile_sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
+          if (tile_max > running_max[i]) {
+            const float correction = std::exp(running_max[i] - tile_max);
+            const __m512 corr = _mm512_set1_ps(correction);
+            for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], corr);
+            running_sum[i] *= correction;
+            running_max[i] = tile_max;
+          }
+          running_sum[i] += tile_sum;
+        }
+        for (int tp = 0; tp < kBlock / 2; ++tp) {
+          // Slots no row sees may be unwritten (NaN): their values are loaded as zeros.
+          const unsigned pair = (used >> (2 * tp)) & 3u;
+          if (!pair) continue;
+          const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
+          __m512i values[kVecs];
           for (int v = 0; v < kVecs; ++v)
-            acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
-                                              as_bh(value_pairs[tp][v]));
+            values[v] = _mm512_maskz_loadu_epi16(load, value_pairs + (tp * kDim + 16 * v) * 2);
+          for (int c = 0; c < kChunk; ++c) {
+            const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][tp]));
+            for (int v = 0; v < kVecs; ++v)
+              acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight, as_bh(values[v]));
+          }
         }
       }
-    }
     }
   }
   for (int i = 0; i < vectors; ++i) {
@@ -326,16 +298,6 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       std::memcpy(o + 16 * v, &y, sizeof y);
     }
   }
-}
-
-// One decode (a single row) in the DecodeFn signature below.
-template <int kDim>
-void decode_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                         const int64_t* table, int64_t context_len, uint16_t* out,
-                         int kv_head, int num_kv_heads, int group, int, int, float scale,
-                         int window) {
-  attend_bf16_block16<kDim>(q, 0, 1, context_len, k_cache, v_cache, table, out, kv_head, 1,
-                            num_kv_heads, group, scale, window);
 }
 
 template <int kDim>
@@ -385,12 +347,6 @@ using DecodeFn = void (*)(const Q*, const C*, const C*, const int64_t*, int64_t,
 // The common (block size, head size) pairs get specialised code; others the generic one.
 template <typename Q, typename C>
 DecodeFn<Q, C> pick_decode(int block_size, int head_dim) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<Q, uint16_t> && std::is_same_v<C, uint16_t>) {
-    if (block_size == 16 && head_dim == 64) return decode_bf16_block16<64>;
-    if (block_size == 16 && head_dim == 128) return decode_bf16_block16<128>;
-  }
-#endif
   if (block_size == 16 && head_dim == 64) return decode_one<Q, C, 16, 64>;
   if (block_size == 16 && head_dim == 128) return decode_one<Q, C, 16, 128>;
   if (block_size == 32 && head_dim == 64) return decode_one<Q, C, 32, 64>;
@@ -438,6 +394,33 @@ FULCRUM_DECODE_ENTRY(paged_decode_attention_bf16_bf16, uint16_t, uint16_t)
 // sequence s owns query rows [query_start[s], query_start[s + 1]), the newest tokens of its
 // seq_lens[s]-token context. bf16 queries and cache, 16-token blocks, head size 64 or 128;
 // returns nonzero for any other case, which the caller then routes elsewhere.
+// Store a step's new keys and values (bf16, [tokens, kv_heads, head_dim] rows `k_stride` and
+// `v_stride` apart, e.g. views into the fused QKV output) at their cache slots, in the pair
+// layouts of paged_varlen_attention_bf16 (16-token blocks).
+int paged_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v,
+                        int64_t v_stride, uint16_t* k_cache, uint16_t* v_cache,
+                        const int64_t* slots, int num_tokens, int num_kv_heads, int head_dim,
+                        int num_threads) {
+  constexpr int kBlock = 16;
+  const int64_t tile = static_cast<int64_t>(head_dim) * kBlock;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int t = 0; t < num_tokens; ++t) {
+    const int64_t block = slots[t] / kBlock, offset = slots[t] % kBlock;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const uint16_t* key = k + t * k_stride + h * head_dim;
+      const uint16_t* value = v + t * v_stride + h * head_dim;
+      uint16_t* keys = k_cache + (block * num_kv_heads + h) * tile;
+      uint16_t* values = v_cache + (block * num_kv_heads + h) * tile +
+                         (offset / 2) * head_dim * 2 + offset % 2;
+      for (int d = 0; d < head_dim; ++d) {
+        keys[(d / 2) * kBlock * 2 + offset * 2 + d % 2] = key[d];
+        values[d * 2] = value[d];
+      }
+    }
+  }
+  return 0;
+}
+
 int paged_varlen_attention_bf16_supported() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return 1;
