@@ -167,7 +167,7 @@ constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per 
 // sliding window. Each block is read once per work item and serves all its rows x group
 // query vectors, so a prefill chunk costs one pass over its context, not one per row; with
 // all heads in one item (decodes), a block's bytes are one contiguous read.
-template <int kDim>
+template <int kDim, int kChunk>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
                          const int64_t* table, uint16_t* out, int kv_head, int heads,
@@ -176,7 +176,6 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
   constexpr int kTile = kDim * kBlock;  // bf16 values of one block and head
-  constexpr int kChunk = 4;
   const int per_head = rows * group;  // query vectors of one KV head
   const int vectors = heads * per_head;
   // Padded to whole chunks: padding lanes accumulate zeros and are never stored.
@@ -223,10 +222,21 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           _mm_prefetch(next + line, _MM_HINT_T0);
       }
     }
+    // Token pairs that some row sees; slots outside may be unwritten (NaN), so their
+    // values are loaded as zeros, once per block and head, for every chunk below.
+    const int first_pair = __builtin_ctz(used) / 2;
+    const int end_pair = (16 - __builtin_clz(static_cast<unsigned>(used) << 16) + 1) / 2;
+    __m512i value_pairs[kBlock / 2][kVecs];
     for (int h = 0; h < heads; ++h) {
       const __m512i* key_pairs = reinterpret_cast<const __m512i*>(tile(k_cache, b, kv_head + h));
-      const uint16_t* value_pairs = tile(v_cache, b, kv_head + h);
-      // Query vectors four at a time: independent dot-product chains keep the FMA pipes
+      const uint16_t* values = tile(v_cache, b, kv_head + h);
+      for (int tp = first_pair; tp < end_pair; ++tp) {
+        const unsigned pair = (used >> (2 * tp)) & 3u;
+        const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
+        for (int v = 0; v < kVecs; ++v)
+          value_pairs[tp][v] = _mm512_maskz_loadu_epi16(load, values + (tp * kDim + 16 * v) * 2);
+      }
+      // Query vectors kChunk at a time: independent dot-product chains keep the FMA pipes
       // busy where one vector's chain would wait on each instruction's latency.
       const int head_end = (h + 1) * per_head;
       for (int i0 = h * per_head; i0 < head_end; i0 += kChunk) {
@@ -239,7 +249,9 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           query[c] = queries[i];
           scores[c] = _mm512_setzero_ps();
         }
-        if (!(valid[0] | valid[1] | valid[2] | valid[3])) continue;
+        __mmask16 any_valid = 0;
+        for (int c = 0; c < kChunk; ++c) any_valid |= valid[c];
+        if (!any_valid) continue;
         for (int dp = 0; dp < kDimPairs; ++dp) {
           const __m512bh keys = as_bh(_mm512_loadu_si512(key_pairs + dp));
           for (int c = 0; c < kChunk; ++c)
@@ -272,18 +284,12 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           }
           running_sum[i] += tile_sum;
         }
-        for (int tp = 0; tp < kBlock / 2; ++tp) {
-          // Slots no row sees may be unwritten (NaN): their values are loaded as zeros.
-          const unsigned pair = (used >> (2 * tp)) & 3u;
-          if (!pair) continue;
-          const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
-          __m512i values[kVecs];
-          for (int v = 0; v < kVecs; ++v)
-            values[v] = _mm512_maskz_loadu_epi16(load, value_pairs + (tp * kDim + 16 * v) * 2);
+        for (int tp = first_pair; tp < end_pair; ++tp) {
           for (int c = 0; c < kChunk; ++c) {
             const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][tp]));
             for (int v = 0; v < kVecs; ++v)
-              acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight, as_bh(values[v]));
+              acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
+                                                as_bh(value_pairs[tp][v]));
           }
         }
       }
@@ -331,10 +337,12 @@ int varlen_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16
     const int rows = static_cast<int>(std::min<int64_t>(tile_rows, end - item.row));
     // Row `row` is query number row - query_start[s] of the sequence's new tokens.
     const int64_t first_len = seq_lens[item.seq] - (end - item.row) + 1;
-    attend_bf16_block16<kDim>(q + item.row * q_stride, q_stride, rows, first_len, k_cache,
-                              v_cache, tables + static_cast<int64_t>(item.seq) * max_blocks,
-                              out + item.row * q_stride, item.kv_head, item.heads,
-                              num_kv_heads, group, scale, window);
+    // A decode has `group` vectors per head: chunks of 3 waste no lane when 3 divides it.
+    const auto attend = rows == 1 && group % 3 == 0 ? attend_bf16_block16<kDim, 3>
+                                                    : attend_bf16_block16<kDim, 4>;
+    attend(q + item.row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
+           tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * q_stride,
+           item.kv_head, item.heads, num_kv_heads, group, scale, window);
   }
   return 0;
 }
