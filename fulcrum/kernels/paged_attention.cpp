@@ -215,11 +215,13 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     for (int r = 0; r < rows; ++r) row_masks[r] = block_mask(b, first_len + r);
     if ((b + 1) * kBlock < last_len) {
       // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch
-      // the next one while this one is computed.
+      // the next one (into L2: as many lines in flight as that allows, where an L1 prefetch
+      // of a whole block stalls on the fill buffers; 35 -> 25 ms a decode step measured
+      // for 64 sequences of 320 tokens in randomly placed blocks).
       for (const uint16_t* cache : {k_cache, v_cache}) {
         const char* next = reinterpret_cast<const char*>(tile(cache, b + 1, kv_head));
         for (int line = 0; line < heads * kTile * 2; line += 64)
-          _mm_prefetch(next + line, _MM_HINT_T0);
+          _mm_prefetch(next + line, _MM_HINT_T1);
       }
     }
     // Token pairs that some row sees; slots outside may be unwritten (NaN), so their
