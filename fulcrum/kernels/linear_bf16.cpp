@@ -54,7 +54,8 @@ void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs, cons
       if (out_f32) {
         _mm512_mask_storeu_ps(static_cast<float*>(out) + m * ldo + first, mask, y);
       } else {
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * ldo + first, mask, as_i(_mm512_cvtneps_pbh(y)));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * ldo + first, mask,
+                                 as_i(_mm512_cvtneps_pbh(y)));
       }
     }
   }

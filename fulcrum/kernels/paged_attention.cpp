@@ -1,9 +1,11 @@
-// Paged attention for single-token queries (decodes) on CPU.
+// Paged attention on CPU, reading keys and values once, straight from the block tables, one
+// block at a time with an online softmax: no gathered copy of the context is ever made.
 //
-// Reads each key and value once, straight from the block tables, one block at a time with
-// an online softmax: no gathered copy of the context is ever made. One work item is one (sequence, KV head)
-// pair; the query heads that share that KV head (GQA) are processed together, so each key
-// and value loaded serves all of them. Built at first use by fulcrum/kernels/__init__.py.
+// - paged_decode_attention_*: single-token queries (decodes) in any dtype pair; one work
+//   item is one (sequence, KV head), the query heads sharing that KV head (GQA) together.
+// - paged_varlen_attention_bf16: every query token of a step, decodes and prefill chunks,
+//   on bf16 dot-product instructions over a cache stored in their operand layout.
+// Built at first use by fulcrum/kernels/__init__.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "vector_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -137,23 +140,6 @@ void decode_one(const Q* q, const C* k_cache, const C* v_cache, const int64_t* t
 // does on GPUs; the softmax itself is fp32.
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// e^x for x <= 0 (scores minus their running max): 2^n * 2^f, f in [-0.5, 0.5], Taylor
-// polynomial of degree 6 (relative error < 2e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                 _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
 
 // The bf16 cache layouts of this path (fulcrum/attention.py, CpuVarlenAttentionBackend),
@@ -271,7 +257,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           const float tile_max =
               std::max(running_max[i], _mm512_mask_reduce_max_ps(valid[c], scaled));
           const __m512 p = _mm512_maskz_mov_ps(
-              valid[c], exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
+              valid[c], fulcrum::exp512(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
           const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
           std::memcpy(p_pairs[c], &p_bf16, sizeof p_pairs[c]);
           // The sum of the rounded weights, so the output stays their exact average.
