@@ -33,20 +33,44 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
     float values[kMaxWidth];
     const uint16_t* in = x + r * x_stride;
     uint16_t* res = residual ? residual + static_cast<int64_t>(r) * width : nullptr;
+    uint16_t* o = out + r * out_stride;
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < width; ++i) {
+    int i = 0;
+#if defined(__AVX512BF16__)
+    __m512 squares = _mm512_setzero_ps();
+    for (; i < width; i += 16) {
+      const __mmask16 mask = fulcrum::tail_mask(i, width);
+      __m512 v = fulcrum::load_bf16(in + i, mask);
+      if (res) {
+        v = fulcrum::round_bf16(_mm512_add_ps(v, fulcrum::load_bf16(res + i, mask)));
+        fulcrum::store_bf16(res + i, v, mask);
+      }
+      _mm512_storeu_ps(values + i, v);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    sum = _mm512_reduce_add_ps(squares);
+#endif
+    for (; i < width; ++i) {
       float v = bf16_to_float(in[i]);
-      if (res) v = bf16_to_float(float_to_bf16(v + bf16_to_float(res[i])));
+      if (res) {
+        res[i] = float_to_bf16(v + bf16_to_float(res[i]));
+        v = bf16_to_float(res[i]);
+      }
       values[i] = v;
       sum += v * v;
     }
-    if (res)
-      for (int i = 0; i < width; ++i) res[i] = float_to_bf16(values[i]);
     const float inv = 1.f / std::sqrt(sum / width + eps);
-    uint16_t* o = out + r * out_stride;
-#pragma omp simd
-    for (int i = 0; i < width; ++i)
+    i = 0;
+#if defined(__AVX512BF16__)
+    for (; i < width; i += 16) {
+      const __mmask16 mask = fulcrum::tail_mask(i, width);
+      const __m512 normed = fulcrum::round_bf16(
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, values + i), _mm512_set1_ps(inv)));
+      fulcrum::store_bf16(o + i, _mm512_mul_ps(fulcrum::load_bf16(weight + i, mask), normed),
+                          mask);
+    }
+#endif
+    for (; i < width; ++i)
       o[i] = float_to_bf16(bf16_to_float(weight[i]) *
                            bf16_to_float(float_to_bf16(values[i] * inv)));
   }
@@ -65,17 +89,12 @@ int fulcrum_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int 
 #if defined(__AVX512BF16__)
     // silu(g) = g / (1 + e^-g), rounded to bf16 as torch's F.silu is, then times up.
     for (; i < width; i += 16) {
-      const __mmask16 mask = width - i >= 16 ? 0xFFFF
-                                             : static_cast<__mmask16>((1u << (width - i)) - 1);
+      const __mmask16 mask = fulcrum::tail_mask(i, width);
       const __m512 g = fulcrum::load_bf16(gate + i, mask);
       const __m512 e = fulcrum::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m256bh silu =
-          _mm512_cvtneps_pbh(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      const __m512 silu32 = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(silu)), 16));
-      const __m256bh y =
-          _mm512_cvtneps_pbh(_mm512_mul_ps(silu32, fulcrum::load_bf16(up + i, mask)));
-      _mm256_mask_storeu_epi16(o + i, mask, reinterpret_cast<const __m256i&>(y));
+      const __m512 silu =
+          fulcrum::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      fulcrum::store_bf16(o + i, _mm512_mul_ps(silu, fulcrum::load_bf16(up + i, mask)), mask);
     }
 #endif
     for (; i < width; ++i) {

@@ -30,5 +30,26 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
+#if defined(__AVX512BF16__)
+// Round fp32 lanes to bf16 (nearest even, as torch does): packed, or back to fp32 lanes.
+inline __m256i to_bf16(__m512 x) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  return reinterpret_cast<const __m256i&>(h);
+}
+
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, mask, to_bf16(x));
+}
+#endif
+
+// Lanes [i, i + 16) of a row of `width` values that exist.
+inline __mmask16 tail_mask(int i, int width) {
+  return width - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - i)) - 1);
+}
+
 }  // namespace fulcrum
 #endif
