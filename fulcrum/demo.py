@@ -79,11 +79,11 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None,
                         help="local model folder (default: the built-in model)")
-    parser.add_argument("--long-len", type=int, default=1536)
+    parser.add_argument("--long-len", type=int, default=3072)
     parser.add_argument("--num-short", type=int, default=12)
     parser.add_argument("--short-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--interval", type=float, default=0.25,
+    parser.add_argument("--interval", type=float, default=0.2,
                         help="seconds between short arrivals")
     parser.add_argument("--chunk-budget", type=int, default=256,
                         help="max_num_batched_tokens in the chunked run")
