@@ -14,16 +14,19 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX512-BF16 kernels on this machine")
 
 
-@pytest.fixture(scope="module")
-def head64_dir(tmp_path_factory):
-    """A Llama whose heads are the kernels' real size (64), 3 query heads per KV head."""
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def head64_dir(request, tmp_path_factory):
+    """A model whose heads are the kernels' real size (64), 3 query heads per KV head: Llama,
+    Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm)."""
     import transformers as tf
 
-    folder = tmp_path_factory.mktemp("llama-head64")
-    config = tf.LlamaConfig(vocab_size=320, hidden_size=192, intermediate_size=256,
-                            num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
-                            max_position_embeddings=512, initializer_range=0.1,
-                            eos_token_id=258, bos_token_id=256, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp(f"{request.param}-head64")
+    sizes = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                 initializer_range=0.1, eos_token_id=258, bos_token_id=256,
+                 tie_word_embeddings=False)
+    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config,
+              "qwen3": lambda **kw: tf.Qwen3Config(head_dim=64, **kw)}[request.param](**sizes)
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     write_byte_level_tokenizer(folder, 320, 512)
