@@ -247,10 +247,15 @@ def _elementwise_library() -> Optional[ctypes.CDLL]:
     return library
 
 
+def has_elementwise() -> bool:
+    """Whether the fused bf16 elementwise kernels are built (any CPU with a compiler)."""
+    return _elementwise_library() is not None
+
+
 def supports_elementwise(x: torch.Tensor) -> bool:
     """Whether the fused bf16 kernels take `x` (bf16 on CPU, rows of contiguous values)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1
-            and _elementwise_library() is not None)
+            and has_elementwise())
 
 
 def _check(status: int, name: str) -> None:

@@ -107,7 +107,8 @@ class RotaryEmbedding(nn.Module):
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
         """This step's positions, with their cos/sin rows looked up once for every layer
         (the bf16 kernel reads the full tables instead)."""
-        if dtype == torch.bfloat16 and _rope_kernel_applies(positions):
+        if dtype == torch.bfloat16 and positions.device.type == "cpu" \
+                and kernels.has_elementwise():
             return RopeTable(positions, self.cos, self.sin, None, None)
         return RopeTable(positions, self.cos, self.sin,
                          self.cos[positions].unsqueeze(1).to(dtype),
@@ -121,11 +122,6 @@ class RopeTable:
     sin_table: torch.Tensor
     cos: Optional[torch.Tensor]  # [tokens, 1, head_dim] in the model's dtype (torch path)
     sin: Optional[torch.Tensor]
-
-
-def _rope_kernel_applies(positions: torch.Tensor) -> bool:
-    return positions.device.type == "cpu" and kernels.supports_elementwise(
-        torch.empty(0, dtype=torch.bfloat16))
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
