@@ -73,6 +73,19 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def kernel_path(request, monkeypatch):
+    """Run a test on fulcrum's native CPU kernels and on the portable torch path."""
+    from fulcrum import kernels
+
+    if request.param == "torch":
+        monkeypatch.setenv("FULCRUM_DISABLE_KERNELS", "1")
+    kernels.clear_cache()
+    yield request.param
+    monkeypatch.undo()
+    kernels.clear_cache()
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     if not STORIES_DIR.is_dir():

@@ -21,7 +21,7 @@ def test_auto_takes_the_checkpoint_dtype(stories_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_runs_close_to_float32(stories_dir, dtype):
+def test_half_precision_runs_close_to_float32(stories_dir, dtype, kernel_path):
     reference = first_step_logprobs(LLM(str(stories_dir), dtype="float32"))
     llm = LLM(str(stories_dir), dtype=str(dtype).removeprefix("torch."))
     engine = llm.llm_engine

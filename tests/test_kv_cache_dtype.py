@@ -6,21 +6,9 @@ import pytest
 import torch
 
 from fulcrum import LLM, SamplingParams
-from fulcrum import kernels as native
 
 
-@pytest.fixture(params=["native", "torch"])
-def attention_path(request, monkeypatch):
-    """Run a test on the native decode kernel and on the portable torch path."""
-    if request.param == "torch":
-        monkeypatch.setenv("FULCRUM_DISABLE_KERNELS", "1")
-    native.clear_cache()
-    yield request.param
-    monkeypatch.undo()
-    native.clear_cache()
-
-
-def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, attention_path):
+def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, kernel_path):
     cases = json.loads((stories_dir / "greedy_reference.json").read_text())["cases"]
     llm = LLM(str(stories_dir), kv_cache_dtype="bfloat16", max_num_batched_tokens=16,
               max_num_seqs=4)
@@ -28,7 +16,7 @@ def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, atte
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert engine.dtype == torch.float32
     backend = engine.runner.model.model.layers[0].self_attn.backend
-    assert type(backend).__name__ == ("CpuPagedAttentionBackend" if attention_path == "native"
+    assert type(backend).__name__ == ("CpuPagedAttentionBackend" if kernel_path == "kernels"
                                       else "TorchAttentionBackend")
     outputs = llm.generate([c["prompt"] for c in cases],
                            SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
