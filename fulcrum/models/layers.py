@@ -144,7 +144,8 @@ class Linear(nn.Linear):
     """nn.Linear that, once its weights are final, may run through fulcrum's packed bf16
     kernel (fulcrum/kernels/linear_bf16.cpp): 2-4x torch's matmul at decode batch sizes.
 
-    `pack()` replaces the weight by the kernel's layout, so it is held once, not twice."""
+    `pack()` replaces the weight by the kernel's layout, so it is held once, not twice (a
+    tied LM head's packed copy sits beside the embedding table, which lookups still need)."""
 
     packed: Optional[torch.Tensor]
 
