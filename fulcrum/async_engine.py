@@ -55,6 +55,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unexpected error; no request can be served."""
 
 
+class QueueFullError(RuntimeError):
+    """max_queued_requests requests already wait: the caller should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request failed (finish reason "error"); the engine serves on."""
+
+
 @dataclasses.dataclass
 class LoopStats:
     """Where the engine thread's busy time went, cumulative since start.
@@ -104,7 +112,13 @@ class AsyncLLM:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._streams: Dict[str, asyncio.Queue] = {}
         self._listeners: List[Listener] = []
+        self._dead_listeners: List[Callable[[BaseException], None]] = []
         self._dead: Optional[BaseException] = None
+        # Requests queued for the engine thread but not added yet, and the scheduler's
+        # waiting count as the engine thread last saw it: together, what waits to run.
+        self._pending_adds = 0
+        self._pending_lock = threading.Lock()
+        self._engine_waiting = 0
         built: "concurrent.futures.Future[LLMEngine]" = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(config, built),
                                         name="fulcrum-engine", daemon=True)
@@ -132,16 +146,41 @@ class AsyncLLM:
         """No command queued and no request in the engine (a snapshot: the thread runs on)."""
         return self._commands.empty() and not self.engine.has_unfinished_requests()
 
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting to run (children of n > 1 requests count one each)."""
+        return self._engine_waiting + self._pending_adds
+
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(report)` on the event loop after every engine step."""
         self._listeners.append(listener)
+
+    def add_dead_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call `listener(error)` on the event loop if the engine loop dies."""
+        self._dead_listeners.append(listener)
 
     # ------------------------------------------------------------ public API
     def process_prompt(self, prompt: PromptType) -> Tuple[Optional[str], List[int]]:
         """(text, token ids) of a prompt; raises ValueError/TypeError if the engine would."""
         text, token_ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt(token_ids)
+        self.engine.cache_salt(prompt)
         return text, token_ids
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if the engine would refuse these parameters for such a prompt."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("sampling_params must be a SamplingParams")
+        self.engine.validate_params(params, num_prompt_tokens)
+
+    def check_capacity(self, num_requests: int) -> None:
+        """Raise if the engine is dead, or if `num_requests` more would overfill the queue."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        limit = self.config.max_queued_requests
+        if self.num_queued + num_requests > limit:
+            raise QueueFullError(f"the server is overloaded: {self.num_queued} requests are "
+                                 f"waiting (max_queued_requests={limit}); retry later")
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -158,6 +197,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 yield item
         finally:
             if not finished:
@@ -167,6 +208,20 @@ class AsyncLLM:
         """Stop a request; its blocks are freed before the next step. Unknown ids are ignored."""
         self._streams.pop(request_id, None)
         self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def drain(self, timeout: float) -> int:
+        """Let the requests in flight finish for up to `timeout` seconds, then abort the rest
+        (their streams end with finish reason "abort"); return how many were aborted."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self._dead is None:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        for request_id in left:
+            self._submit(lambda rid=request_id: self.engine.abort_request(rid))
+        deadline = time.monotonic() + _SHUTDOWN_TIMEOUT_S
+        while self._streams and time.monotonic() < deadline and self._dead is None:
+            await asyncio.sleep(0.01)
+        return len(left)
 
     def shutdown(self) -> None:
         """Stop the engine thread (requests in flight are dropped)."""
@@ -178,19 +233,20 @@ class AsyncLLM:
     def _open(self, prompt: PromptType, params: SamplingParams, request_id: str,
               priority: int) -> asyncio.Queue:
         """Validate the request, register its stream and queue it for the engine thread."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
-        if not isinstance(params, SamplingParams):
-            raise TypeError("sampling_params must be a SamplingParams")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.process_prompt(prompt)
+        self.check_request(len(token_ids), params)
+        self.check_capacity(params.n)
         self._bind_loop()
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = time.monotonic()
-        engine_prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        engine_prompt = {"prompt": text, "prompt_token_ids": token_ids,
+                         "cache_salt": self.engine.cache_salt(prompt)}
+        with self._pending_lock:
+            self._pending_adds += params.n
         self._submit(lambda: self._add(request_id, engine_prompt, params, arrival, priority))
         return stream
 
@@ -220,6 +276,8 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put_nowait(error)
+        for listener in self._dead_listeners:
+            listener(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         """Run `callback(*args)` on the bound event loop, if it is still open."""
@@ -236,8 +294,12 @@ class AsyncLLM:
              arrival: float, priority: int) -> None:
         try:
             self.engine.add_request(request_id, prompt, params, arrival, priority)
-        except (ValueError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 - add_request changes nothing when it raises
             self._post(self._fail_request, request_id, error)
+        finally:
+            with self._pending_lock:
+                self._pending_adds -= params.n
+            self._engine_waiting = len(self.engine.scheduler.waiting)
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
@@ -278,6 +340,7 @@ class AsyncLLM:
         if not self.engine.has_unfinished_requests():
             return 0.0
         outputs = self.engine.step()
+        self._engine_waiting = len(self.engine.scheduler.waiting)
         stats = self.engine.last_step_stats
         self.loop_stats.steps += 1
         report = StepReport(outputs, stats, self.engine.scheduler.stats().num_preempted_waiting,

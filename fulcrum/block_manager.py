@@ -10,17 +10,31 @@ can hit even after every request that wrote it has finished.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Set
 
 from fulcrum.request import Request
 
-# A block's name: (hash of the parent block's name, the block's token ids). Using the tuple
-# itself as the dict key makes a lookup compare the tokens, so a hash collision cannot
-# hand a request someone else's cache.
-BlockKey = Tuple[int, Tuple[int, ...]]
-_ROOT_HASH = 0
+# A block's name: SHA-256 over its parent's name and its token ids, so a name stands for the
+# whole prefix up to the block's end. Python's hash() would do for correctness against honest
+# traffic, but its collisions can be built on purpose (vLLM's GHSA-rm76-4mrf-v9r8): a client
+# could then make another tenant's request read its KV blocks. The first block's parent is a
+# root derived from the request's cache_salt, so requests with different salts never share.
+BlockKey = bytes
+_ROOT = hashlib.sha256(b"fulcrum-prefix-cache").digest()
+
+
+def root_key(cache_salt: Optional[str]) -> BlockKey:
+    if cache_salt is None:
+        return _ROOT
+    return hashlib.sha256(_ROOT + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def block_key(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass
@@ -68,8 +82,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------ prefix cache
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix of the request, leaving at least one token to compute."""
+    def get_computed_blocks(self, request: Request,
+                            excluding: Collection[int] = ()) -> ComputedBlocks:
+        """The longest cached prefix of the request, leaving at least one token to compute.
+
+        Blocks in `excluding` end the prefix: the scheduler names those that a preemption it
+        is weighing would drop before they are computed.
+        """
         if not self.enable_prefix_caching:
             return NO_HITS
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -77,7 +96,7 @@ class BlockManager:
         hits: List[int] = []
         for key in keys:
             block_id = self.cached.get(key)
-            if block_id is None:
+            if block_id is None or block_id in excluding:
                 break
             hits.append(block_id)
         return ComputedBlocks(hits, len(hits) * self.block_size)
@@ -87,15 +106,29 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(keys), num_blocks):
-            parent = hash(keys[i - 1]) if i else _ROOT_HASH
-            keys.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            parent = keys[i - 1] if i else root_key(request.cache_salt)
+            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs]))
         return keys[:num_blocks]
 
     # -------------------------------------------------------------- allocation
+    def admission_hits(self, request: Request, freeing: Sequence[Request]) -> ComputedBlocks:
+        """The request's prefix hits as they will be once `freeing` gave their blocks back.
+
+        Freeing a request drops the names of its blocks not computed yet, so hits on those
+        would hand the newcomer a block nobody will fill.
+        """
+        dropped = {b for r in freeing
+                   for b in self.block_table(r.request_id)[r.num_computed_tokens // self.block_size:]}
+        return self.get_computed_blocks(request, excluding=dropped)
+
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     computed: ComputedBlocks = NO_HITS) -> bool:
+                     computed: ComputedBlocks = NO_HITS, freeing: Sequence[Request] = ()) -> bool:
+        """Whether allocate_slots would succeed, once the `freeing` requests were freed."""
+        released = Counter(b for r in freeing for b in self.block_table(r.request_id))
+        freed = {b for b, count in released.items() if self.ref_cnt[b] == count}
+        free_hits = sum(1 for b in computed.block_ids if self.ref_cnt[b] == 0 or b in freed)
         return self._num_new_blocks(request, num_new_tokens, computed) <= \
-            self.num_free_blocks - self._num_free_among(computed.block_ids)
+            self.num_free_blocks + len(freed) - free_hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = NO_HITS) -> bool:
@@ -156,9 +189,6 @@ class BlockManager:
         held = len(self.block_tables.get(request.request_id, ())) + len(computed.block_ids)
         total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
         return max(0, self.blocks_needed(total) - held)
-
-    def _num_free_among(self, block_ids: Sequence[int]) -> int:
-        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
 
     def _touch(self, block_id: int) -> None:
         if self.ref_cnt[block_id] == 0:

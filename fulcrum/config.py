@@ -56,6 +56,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
+    # Request limits (see the README's "Security and limits").
+    max_logprobs: int = 20
+    max_n: int = 128
+    max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
         self._check_ranges()
@@ -67,8 +71,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_num_partial_prefills", "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+                     "max_num_partial_prefills", "kv_cache_memory_bytes", "num_gpu_blocks_override",
+                     "max_n", "max_queued_requests"):
             positive(name)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(
+                f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

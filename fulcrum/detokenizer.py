@@ -31,13 +31,18 @@ class IncrementalDetokenizer:
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
 
-    def update(self, new_token_ids: List[int]) -> Optional[str]:
-        """Append tokens; return the stop string that ends the request, if one appeared."""
+    def update(self, new_token_ids: List[int], check_stop: bool = True) -> Optional[str]:
+        """Append tokens; return the stop string that ends the request, if one appeared.
+
+        `check_stop` is False while min_tokens holds stop strings back; as in vLLM, text
+        appended then is not searched later either, except where a stop string could start
+        in it and end in the new text.
+        """
         searched_from = len(self.output_text)
         for token_id in new_token_ids:
             self.tokens.append(token_id)
             self.output_text += self._decode_newest()
-        if not self.stop_strings:
+        if not self.stop_strings or not check_stop:
             return None
         return self._find_stop(max(0, searched_from - self.hold_back))
 

@@ -26,7 +26,7 @@ from fulcrum.model_runner import ModelRunner
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
 from fulcrum.request import Request, RequestStatus
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from fulcrum.scheduler import Scheduler
 from fulcrum.stats import StepStats
 from fulcrum.tokenizer import Tokenizer
@@ -107,10 +107,48 @@ class LLMEngine:
         if len(token_ids) > limit:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, more than the maximum "
                              f"model length of {limit} tokens")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        self._check_token_ids("token id", token_ids)
+
+    def _check_token_ids(self, what: str, token_ids: Iterable[int]) -> None:
+        bad = [t for t in token_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0.."
+            raise ValueError(f"{what} {bad[0]} is out of vocabulary (valid ids are 0.."
                              f"{self.vocab_size - 1})")
+
+    def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """Check a request's parameters against this model and the engine's limits; return
+        its max_tokens (what room the prompt leaves when the request gave none)."""
+        config = self.config
+        if params.n > config.max_n:
+            raise ValueError(f"n must be at most {config.max_n} (max_n), got {params.n}")
+        if params.logprobs is not None and params.logprobs > config.max_logprobs:
+            raise ValueError(f"logprobs must be at most {config.max_logprobs} (max_logprobs), "
+                             f"got {params.logprobs}")
+        self._check_token_ids("stop_token_ids: token id", params.stop_token_ids)
+        limit = config.max_model_len
+        room = limit - num_prompt_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room or room < 1:
+            raise ValueError(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens}"
+                f" prompt tokens + max_tokens {max(max_tokens, 1)} = "
+                f"{num_prompt_tokens + max(max_tokens, 1)} were requested; shorten the prompt "
+                "or lower max_tokens")
+        blocks = self.block_manager.blocks_needed(num_prompt_tokens + max_tokens)
+        if blocks > self.block_manager.num_usable_blocks:
+            raise ValueError(
+                f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} need {blocks} KV "
+                f"blocks but the cache has {self.block_manager.num_usable_blocks}: this request "
+                "could never run; lower max_tokens")
+        return max_tokens
+
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> Optional[str]:
+        """The prompt's cache_salt (vLLM's field of prompt dicts), checked."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
 
     def add_request(self, request_id: Optional[str], prompt: PromptType,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
@@ -119,7 +157,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        if not isinstance(priority, int):
+        if not _is_int(priority):
             raise TypeError("priority must be an integer")
         if request_id is None:
             request_id = str(next(self._request_counter))
@@ -131,15 +169,15 @@ class LLMEngine:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        max_tokens = self.validate_params(params, len(token_ids))
+        salt = self.cache_salt(prompt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        room = self.config.max_model_len - len(token_ids)
-        max_tokens = max(1, min(params.max_tokens or room, room))
         children = []
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
             children.append(Request(child_id, token_ids, child_params,
                                     self.tokenizer.eos_token_ids, text, priority, arrival,
-                                    max_tokens))
+                                    max_tokens, salt))
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -162,18 +200,39 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> List[RequestOutput]:
+        """Run one step. A failure confined to some requests fails those alone (finish reason
+        "error"); a failed forward pass fails the step's requests and gives their blocks back.
+        Anything else raised here means the engine's state can no longer be trusted."""
         start_wall = time.monotonic()
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled)
+        try:
+            sampled, failed = self.runner.execute(scheduled)
+        except Exception as error:  # noqa: BLE001 - the step never happened; see _fail
+            logger.exception("the forward pass failed; failing the step's requests")
+            sampled = {}
+            failed = {c.request_id: f"the forward pass failed: {error!r}" for c in scheduled.chunks}
+        self._fail(failed)
         self.scheduler.update_from_output(scheduled, sampled)
-        stopped = self.output_processor.process_tokens(sampled)
+        stopped, failed_later = self.output_processor.process_tokens(sampled)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        touched = list(sampled) + self._aborted_children
+        self._fail(failed_later)
+        touched = [*sampled, *failed, *failed_later, *self._aborted_children]
         self._aborted_children = []
-        outputs = self.output_processor.make_outputs(touched)
+        outputs, failed_outputs = self.output_processor.make_outputs(touched)
+        self.scheduler.finish_requests(failed_outputs, RequestStatus.FINISHED_ERROR)
         self._record_stats(scheduled, start_wall, time.perf_counter() - start)
         return outputs
+
+    def _fail(self, failed: Dict[str, str]) -> None:
+        """End the requests (all children of each) that failed, with the reason; the blocks
+        they were to compute this step lose their names as they are freed."""
+        for child_id, message in failed.items():
+            siblings = self.output_processor.siblings(child_id)
+            for request in siblings:
+                request.error = request.error or message
+            self.scheduler.finish_requests([r.request_id for r in siblings],
+                                           RequestStatus.FINISHED_ERROR)
 
     def _record_stats(self, scheduled, start_wall: float, wall: float) -> None:
         sched = self.scheduler.stats()
@@ -195,7 +254,13 @@ class LLMEngine:
         return self.stats[-1] if self.stats else None
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The sampling parameters of completion `index` of an n > 1 request."""
-    seed = None if params.seed is None else params.seed + index
+    seed = None
+    if params.seed is not None:  # seed + index, wrapped into the 64-bit range
+        seed = (params.seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
     return dataclasses.replace(params, n=1, seed=seed)

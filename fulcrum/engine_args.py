@@ -40,6 +40,10 @@ _HELP = {
                               "RAM for the KV cache (capped at 4 GiB)",
     "kv_cache_memory_bytes": "exact KV-cache size in bytes (overrides the above)",
     "num_gpu_blocks_override": "exact number of KV blocks",
+    "max_logprobs": "most logprobs (or top_logprobs) a request may ask for (default 20, vLLM's)",
+    "max_n": "most completions (n) one request may ask for (default 128)",
+    "max_queued_requests": "most requests waiting to run; the server answers 503 with "
+                           "Retry-After beyond it (default 1024)",
 }
 
 

@@ -39,8 +39,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
-        for prompt in prompt_list:
-            engine.validate_prompt(engine.tokenize_prompt(prompt)[1])
+        for prompt, params in zip(prompt_list, params_list):
+            token_ids = engine.tokenize_prompt(prompt)[1]
+            engine.validate_prompt(token_ids)
+            engine.validate_params(params, len(token_ids))
+            engine.cache_salt(prompt)
         ids = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             request_id = f"llm-{self._counter}"

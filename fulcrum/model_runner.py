@@ -7,8 +7,9 @@ attention metadata (single-token queries first, then prefill chunks).
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -16,8 +17,10 @@ import torch
 from fulcrum.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from fulcrum.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
-from fulcrum.sampler import SampledToken, Sampler
+from fulcrum.sampler import SampledToken, Sampler, SamplingRow
 from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -33,12 +36,13 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.last_forward_seconds = 0.0
 
-    def execute(self, output: SchedulerOutput) -> Dict[str, SampledToken]:
-        """Compute the step; return the new token of every chunk that reaches its end."""
+    def execute(self, output: SchedulerOutput) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:
+        """Compute the step: the new token of every chunk that reaches its end, and why
+        sampling failed for the requests it failed for (they alone fail; the rest go on)."""
         # A preempted request keeps its seeded generator: it resumes where it stopped.
         self.sampler.forget(output.finished_request_ids)
         if output.is_empty:
-            return {}
+            return {}, {}
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens > 1)
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         start = time.perf_counter()
@@ -46,11 +50,24 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[logits_rows]) if len(logits_rows) else None
         self.last_forward_seconds = time.perf_counter() - start
-        rows = [c.sampling for c in chunks if c.sample]
         if logits is None:
-            return {}
-        sampled = self.sampler(logits, rows)
-        return {row.request_id: token for row, token in zip(rows, sampled)}
+            return {}, {}
+        return self._sample(logits, [c.sampling for c in chunks if c.sample])
+
+    def _sample(self, logits: torch.Tensor,
+                rows: List[SamplingRow]) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:
+        """Sample the batch at once; if that fails, row by row, so one bad row fails alone."""
+        try:
+            return {row.request_id: t for row, t in zip(rows, self.sampler(logits, rows))}, {}
+        except Exception:  # noqa: BLE001 - isolated below, row by row
+            logger.exception("sampling the batch failed; sampling its rows one by one")
+        sampled, failed = {}, {}
+        for i, row in enumerate(rows):
+            try:
+                sampled[row.request_id] = self.sampler(logits[i:i + 1], [row])[0]
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                failed[row.request_id] = f"sampling failed: {error!r}"
+        return sampled, failed
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, chunks: List[ScheduledChunk]):

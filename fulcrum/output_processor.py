@@ -7,8 +7,9 @@ so its KV blocks through the prefix cache; the caller sees one `RequestOutput` w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.outputs import CompletionOutput, RequestOutput
@@ -16,6 +17,8 @@ from fulcrum.request import Request, RequestStatus
 from fulcrum.sampler import SampledToken
 from fulcrum.sampling_params import RequestOutputKind
 from fulcrum.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,26 +71,42 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
 
-    def process_tokens(self, sampled: Dict[str, SampledToken]) -> List[str]:
-        """Detokenise new tokens; return the child ids that a stop string has just ended."""
-        ended = []
+    def siblings(self, child_id: str) -> List[Request]:
+        """Every child of the request that `child_id` belongs to (itself included)."""
+        entry = self._children.get(child_id)
+        return [c.request for c in entry[0].children] if entry else []
+
+    def process_tokens(self, sampled: Dict[str, SampledToken]) -> Tuple[List[str], Dict[str, str]]:
+        """Detokenise new tokens. Returns the child ids that a stop string has just ended,
+        and why processing failed for the children it failed for."""
+        ended, failed = [], {}
         for child_id, token in sampled.items():
             entry = self._children.get(child_id)
             if entry is None:
                 continue
-            parent, index = entry
-            child = parent.children[index]
-            self._record_logprobs(child, token)
-            request = child.request
-            new_ids = [token.token_id]
-            if (request.status is RequestStatus.FINISHED_STOPPED
-                    and not request.sampling_params.include_stop_str_in_output):
-                new_ids = []  # the stop token itself is not part of the text
-            stop = child.detokenizer.update(new_ids)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                ended.append(child_id)
-        return ended
+            try:
+                if self._process_token(entry[0].children[entry[1]], token):
+                    ended.append(child_id)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("processing the output of %s failed", child_id)
+                failed[child_id] = f"processing the output failed: {error!r}"
+        return ended, failed
+
+    def _process_token(self, child: _Child, token: SampledToken) -> bool:
+        """Detokenise one new token; True if a stop string has just ended the child."""
+        self._record_logprobs(child, token)
+        request = child.request
+        new_ids = [token.token_id]
+        if (request.status is RequestStatus.FINISHED_STOPPED
+                and not request.sampling_params.include_stop_str_in_output):
+            new_ids = []  # the stop token itself is not part of the text
+        # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
+        stop = child.detokenizer.update(
+            new_ids, request.num_output_tokens > request.sampling_params.min_tokens)
+        if stop is None or request.is_finished:
+            return False
+        request.stop_reason = stop
+        return True
 
     def _record_logprobs(self, child: _Child, token: SampledToken) -> None:
         if child.logprobs is None or token.logprobs is None:
@@ -97,25 +116,44 @@ class OutputProcessor:
         child.logprobs.append(token.logprobs)
         child.cumulative_logprob += token.logprobs[token.token_id].logprob
 
-    def make_outputs(self, child_ids: Iterable[str]) -> List[RequestOutput]:
-        """Outputs for the parents of the given children; finished parents are forgotten."""
+    def make_outputs(self, child_ids: Iterable[str]) -> Tuple[List[RequestOutput], Dict[str, str]]:
+        """Outputs for the parents of the given children; finished parents are forgotten.
+
+        A parent whose output cannot be built gets a final output with finish reason "error"
+        instead; the second value says which children failed so, for the engine to end them.
+        """
         touched: Dict[str, List[int]] = {}
         for child_id in child_ids:
             entry = self._children.get(child_id)
             if entry is not None:
                 touched.setdefault(entry[0].request_id, []).append(entry[1])
-        outputs = []
+        outputs, failed = [], {}
         for request_id, indices in touched.items():
             parent = self._parents[request_id]
             finished = parent.finished
-            output = self._parent_output(parent, sorted(set(indices)), finished)
+            try:
+                output = self._parent_output(parent, sorted(set(indices)), finished)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("building the output of %s failed", request_id)
+                message = f"building the output failed: {error!r}"
+                failed.update((c.request.request_id, message) for c in parent.children)
+                output, finished = self._error_output(parent, message), True
             if output is not None:
                 outputs.append(output)
             if finished:
                 del self._parents[request_id]
                 for child in parent.children:
                     self._children.pop(child.request.request_id, None)
-        return outputs
+        return outputs, failed
+
+    @staticmethod
+    def _error_output(parent: _Parent, message: str) -> RequestOutput:
+        """The final output of a request whose output could not be built: no text, the error."""
+        completions = [CompletionOutput(c.index, "", [], None, None, finish_reason="error")
+                       for c in parent.children]
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+                             finished=True, error=message)
 
     def _parent_output(self, parent: _Parent, touched: List[int],
                        finished: bool) -> Optional[RequestOutput]:
@@ -126,10 +164,12 @@ class OutputProcessor:
         children = [parent.children[i] for i in touched] if delta else parent.children
         completions = [self._completion(c, delta) for c in children]
         first = parent.children[0].request
+        error = next((c.request.error for c in parent.children if c.request.error), None)
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
-            metrics=first.metrics, num_cached_tokens=first.metrics.num_cached_tokens)
+            metrics=first.metrics, num_cached_tokens=first.metrics.num_cached_tokens,
+            error=error)
 
     @staticmethod
     def _completion(child: _Child, delta: bool) -> CompletionOutput:

@@ -18,7 +18,7 @@ class CompletionOutput:
     token_ids: List[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[SampleLogprobs]
-    finish_reason: Optional[str] = None  # "stop", "length" or "abort"
+    finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -35,3 +35,4 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = field(default=None, repr=False)
+    error: Optional[str] = None  # why the request failed (finish reason "error")

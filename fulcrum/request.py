@@ -22,11 +22,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # vLLM v1's finish reason for a request whose processing failed (the others go on).
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -68,6 +70,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     max_tokens: int = 16
+    # Requests share prefix-cache blocks only when their salts are equal (vLLM's cache_salt).
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: List[int] = list(self.prompt_token_ids)
@@ -75,8 +79,9 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[object] = None
+        self.error: Optional[str] = None  # why it failed, with FINISHED_ERROR
         # Hashes of this request's full blocks, filled lazily by the KV cache manager.
-        self.block_hashes: List[int] = []
+        self.block_hashes: List[bytes] = []
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         stop_ids = set(self.sampling_params.stop_token_ids)
         if not self.sampling_params.ignore_eos:

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
 _GREEDY_EPS = 1e-5
+# vLLM's seed range: a signed 64-bit integer (torch.iinfo(torch.long)).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# Stop strings are searched in every new piece of text and the longest is held back from
+# streams, so their number and length bound per-token work and streaming delay.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 class RequestOutputKind(enum.Enum):
@@ -51,13 +61,21 @@ class SamplingParams:
         def fail(name: str, rule: str) -> None:
             raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                fail(name, "must be a finite number")
+        if not is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
         if self.temperature < 0.0:
             fail("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             fail("top_k", "must be a non-negative integer (0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
@@ -67,21 +85,30 @@ class SamplingParams:
             fail("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0.0:
             fail("repetition_penalty", "must be greater than zero")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+        if self.max_tokens is not None and (not is_int(self.max_tokens)
                                             or self.max_tokens < 1):
             fail("max_tokens", "must be at least 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             fail("logprobs", "must be a non-negative integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings, more than the "
+                             f"{MAX_STOP_STRINGS} allowed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative integers")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids, more than the "
+                             f"{MAX_STOP_TOKEN_IDS} allowed")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

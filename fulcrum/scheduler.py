@@ -13,9 +13,9 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
-from fulcrum.block_manager import NO_HITS, BlockManager, ComputedBlocks
+from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.request import Request, RequestStatus
 from fulcrum.sampler import SampledToken, SamplingRow
@@ -138,7 +138,7 @@ class Scheduler:
                 continue
             if plan.budget < 1:
                 break
-            if self._allocate(request, 1, plan, NO_HITS, self._always):
+            if self._allocate(request, 1, plan):
                 plan.add(request, 1)
 
     def _schedule_prefills(self, plan: _StepPlan, may_admit: bool) -> None:
@@ -160,29 +160,44 @@ class Scheduler:
     def _continue_prefill(self, request: Request, plan: _StepPlan) -> None:
         remaining = request.num_tokens - request.num_computed_tokens
         num_new = self._chunk_size(remaining, plan.budget)
-        if self._allocate(request, num_new, plan, NO_HITS, self._always):
+        if self._allocate(request, num_new, plan):
             plan.add(request, num_new)
             if num_new == remaining:
                 plan.partial.discard(request)
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        """Try to start a waiting request; False means stop admitting for this step."""
-        may_evict = lambda victim: self.policy.may_preempt_for(request, victim)  # noqa: E731
-        if len(self.running) >= self.config.max_num_seqs:
-            victim = self._victim()
-            if victim is None or not may_evict(victim):
+        """Try to start a waiting request; False means stop admitting for this step.
+
+        The running requests it would displace (for a seat or for KV blocks) are chosen
+        first and preempted only once the request is sure to fit, so no preemption is wasted
+        on a request that then stays waiting.
+        """
+        victims: List[Request] = []
+        while True:
+            computed = self.kv.admission_hits(request, victims)
+            remaining = request.num_tokens - computed.num_tokens
+            num_new = self._chunk_size(remaining, plan.budget)
+            if num_new < remaining:
+                if not self.chunked_prefill:
+                    return False  # the whole prompt must wait for a step with room for it
+                if len(plan.partial) >= self.config.max_num_partial_prefills:
+                    return True  # skip it; a shorter prompt behind it may still complete
+            has_seat = len(self.running) - len(victims) < self.config.max_num_seqs
+            if has_seat and self.kv.can_allocate(request, num_new, computed, victims):
+                break
+            victim = self._victim(excluding=victims)
+            if victim is None or not self.policy.may_preempt_for(request, victim):
                 return False
-            self._preempt(victim, plan)
-        computed = self.kv.get_computed_blocks(request)
-        remaining = request.num_tokens - computed.num_tokens
-        num_new = self._chunk_size(remaining, plan.budget)
-        if num_new < remaining:
-            if not self.chunked_prefill:
-                return False  # the whole prompt must wait for a step with room for it
-            if len(plan.partial) >= self.config.max_num_partial_prefills:
-                return True  # skip it; a shorter prompt behind it may still complete
-        if not self._allocate(request, num_new, plan, computed, may_evict):
-            return False
+            victims.append(victim)
+        if victims:
+            for victim in victims:
+                if victim.status is RequestStatus.RUNNING:  # not already dropped with another
+                    self._preempt(victim, plan)
+            computed = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - computed.num_tokens
+            num_new = min(num_new, remaining)
+        if not self.kv.allocate_slots(request, num_new, computed):
+            return False  # a preemption dropped more hits than weighed; try again next step
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -206,24 +221,20 @@ class Scheduler:
         return min(num_new, budget)
 
     # -------------------------------------------------------------- preemption
-    @staticmethod
-    def _always(victim: Request) -> bool:
-        return True
-
-    def _allocate(self, request: Request, num_new: int, plan: _StepPlan,
-                  computed: ComputedBlocks, may_evict: Callable[[Request], bool]) -> bool:
-        """Allocate blocks, preempting the worst running requests while that is allowed."""
-        while not self.kv.allocate_slots(request, num_new, computed):
+    def _allocate(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
+        """Allocate blocks for a running request, preempting the worst running ones."""
+        while not self.kv.allocate_slots(request, num_new):
             victim = self._victim()
-            if victim is None or not may_evict(victim):
+            if victim is None:
                 return False
             self._preempt(victim, plan)
             if victim is request:
                 return False
         return True
 
-    def _victim(self) -> Optional[Request]:
-        return max(self.running, key=self.policy.key, default=None)
+    def _victim(self, excluding: Sequence[Request] = ()) -> Optional[Request]:
+        return max((r for r in self.running if r not in excluding), key=self.policy.key,
+                   default=None)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         shared = self.kv.uncomputed_shared_blocks(request)

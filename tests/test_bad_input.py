@@ -76,11 +76,23 @@ def test_bad_prompt_raises_and_queues_nothing(llm, name):
     assert_all_blocks_free(engine)
 
 
-def test_prompt_of_exactly_max_model_len_is_accepted(llm):
-    (output,) = llm.generate(ids(*[7] * MAX_LEN), SamplingParams(max_tokens=10),
+def test_prompt_plus_max_tokens_must_fit_max_model_len(llm):
+    (output,) = llm.generate(ids(*[7] * (MAX_LEN - 3)), SamplingParams(max_tokens=3,
+                                                                       ignore_eos=True),
                              use_tqdm=False)
-    assert output.outputs[0].finish_reason == "length"
-    assert len(output.outputs[0].token_ids) == 1
+    assert len(output.outputs[0].token_ids) == 3
+    # One token more is refused up front, naming both numbers, not silently clamped.
+    with pytest.raises(ValueError, match=f"{MAX_LEN} tokens.*{MAX_LEN - 3} prompt tokens "
+                                         f"\\+ max_tokens 4 = {MAX_LEN + 1}"):
+        llm.generate(ids(*[7] * (MAX_LEN - 3)), SamplingParams(max_tokens=4), use_tqdm=False)
+    # Without max_tokens the request gets the room its prompt leaves; a full prompt has none.
+    (output,) = llm.generate(ids(*[7] * (MAX_LEN - 2)), SamplingParams(max_tokens=None,
+                                                                       ignore_eos=True),
+                             use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(ids(*[7] * MAX_LEN), SamplingParams(max_tokens=None), use_tqdm=False)
+    assert_all_blocks_free(llm.llm_engine)
 
 
 # -------------------------------------------------------- sampling params

@@ -128,11 +128,13 @@ def test_chat_applies_the_template(llm):
 def test_max_model_len_limits_generation(llama_dir):
     llm = LLM(str(llama_dir), max_model_len=32)
     prompt = ids(range(1, 21))
-    (output,) = llm.generate(prompt, greedy(100), use_tqdm=False)
+    with pytest.raises(ValueError, match="20 prompt tokens \\+ max_tokens 100 = 120"):
+        llm.generate(prompt, greedy(100), use_tqdm=False)
+    (output,) = llm.generate(prompt, greedy(None), use_tqdm=False)
     assert len(tokens(output)) == 12
     assert output.outputs[0].finish_reason == "length"
-    (unlimited,) = llm.generate(prompt, greedy(None), use_tqdm=False)
-    assert tokens(unlimited) == tokens(output)
+    (exact,) = llm.generate(prompt, greedy(12), use_tqdm=False)
+    assert tokens(exact) == tokens(output)
 
 
 def test_stop_token_ids(llm):

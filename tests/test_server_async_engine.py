@@ -118,7 +118,7 @@ def test_serve_command_line():
         ["serve", "/models/x", "--port", "9001", "--api-key", "k", "--max-num-seqs", "8",
          "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "1000000",
          "--scheduling-policy", "priority", "--load-format", "dummy"])
-    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9001, "k")
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9001, ["k"])
     assert (args.max_num_seqs, args.enable_prefix_caching) == (8, False)
     assert (args.kv_cache_memory_bytes, args.scheduling_policy) == (1000000, "priority")
     assert served_model_name(args) == "/models/x"

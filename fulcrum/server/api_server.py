@@ -1,17 +1,20 @@
 """The FastAPI app: OpenAI's routes under /v1, plus health, version, metrics and tokenizer.
 
 `build_app` takes a ready `AsyncLLM`, so one engine can sit behind several apps (tests) and
-the caller decides its lifetime. With an API key, only /v1 routes are protected, as in vLLM:
-health checks and metric scrapes need no credentials.
+the caller decides its lifetime. With API keys, only /v1 routes are protected, as in vLLM:
+health checks, metric scrapes and the tokenizer routes need no credentials. `serve` runs an
+app until SIGTERM or SIGINT, then drains it (see `GracefulServer`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,19 +24,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fulcrum import __version__
-from fulcrum.async_engine import AsyncLLM, EngineDeadError
+from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.server.metrics import ServerMetrics
+from fulcrum.server.middleware import BodySizeLimit, DrainGate, error_response
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
-from fulcrum.server.serving import APIError, OpenAIServing, bad_request
+from fulcrum.server.serving import APIError, OpenAIServing, bad_request, overloaded
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body().model_dump(), status_code=error.status)
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def _validation_message(error: RequestValidationError) -> str:
@@ -41,55 +45,81 @@ def _validation_message(error: RequestValidationError) -> str:
     parts = []
     for problem in error.errors():
         location = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
-        parts.append(f"{location}: {problem.get('msg')}" if location else problem.get("msg"))
-    return "; ".join(parts) or "invalid request"
+        message = str(problem.get("msg"))[:500]  # pydantic may quote the whole bad value
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts[:20]) or "invalid request"
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_response(error)
+        return error_response(error)
 
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _error_response(bad_request(_validation_message(error)))
+        return error_response(bad_request(_validation_message(error)))
 
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _error_response(APIError(error.status_code, str(error.detail)))
+        return error_response(APIError(error.status_code, str(error.detail)))
 
     async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
-        return _error_response(APIError(503, str(error)))
+        return error_response(APIError(503, str(error)))
+
+    async def queue_full(_: Request, error: QueueFullError) -> JSONResponse:
+        return error_response(overloaded(error))
+
+    async def request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
+        return error_response(APIError(500, str(error)))
+
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return error_response(APIError(500, f"internal error: {error!r}"))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(QueueFullError, queue_full)
+    app.add_exception_handler(RequestFailedError, request_failed)
+    app.add_exception_handler(Exception, unexpected)
 
 
-def _api_key_checker(api_key: Optional[str]) -> Callable[[Request], None]:
+def _api_key_checker(api_keys: Sequence[str]) -> Callable[[Request], None]:
+    """Accept `Authorization: Bearer KEY` for any of the keys, comparing in constant time
+    (every key is compared, so the time does not tell which one came close)."""
+    expected = [f"Bearer {key}".encode() for key in api_keys]
+
     def check(request: Request) -> None:
-        if api_key is None:
+        if not expected:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        matches = [secrets.compare_digest(given, key) for key in expected]
+        if not any(matches):
             raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer KEY'")
     return check
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str,
-              api_key: Optional[str] = None) -> FastAPI:
+              api_key: Union[None, str, Sequence[str]] = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              trust_request_chat_template: bool = False) -> FastAPI:
+    """The server's app. `api_key`: one key or several; None or empty leaves /v1 open."""
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine")
-    serving = OpenAIServing(async_llm, served_model_name)
+    serving = OpenAIServing(async_llm, served_model_name, trust_request_chat_template)
     metrics = ServerMetrics(async_llm, served_model_name)
     app.state.async_llm = async_llm
     app.state.metrics = metrics
+    app.state.draining = False
     _add_error_handlers(app)
-    app.include_router(_openai_routes(serving, api_key))
-    app.include_router(_utility_routes(serving, metrics))
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    app.include_router(_openai_routes(serving, keys))
+    app.include_router(_utility_routes(serving, metrics, lambda: app.state.draining))
+    app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     return app
 
 
-def _openai_routes(serving: OpenAIServing, api_key: Optional[str]) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_checker(api_key))])
+def _openai_routes(serving: OpenAIServing, api_keys: Sequence[str]) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_checker(api_keys))])
     created = int(time.time())
 
     @router.post("/completions")
@@ -110,13 +140,15 @@ def _openai_routes(serving: OpenAIServing, api_key: Optional[str]) -> APIRouter:
     return router
 
 
-def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics) -> APIRouter:
+def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
+                    is_draining: Callable[[], bool]) -> APIRouter:
     router = APIRouter()
     llm = serving.llm
 
     @router.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if llm.is_healthy else 503)
+        """200 while the server takes requests; 503 once the engine died or while draining."""
+        return Response(status_code=200 if llm.is_healthy and not is_draining() else 503)
 
     @router.get("/version")
     async def version() -> dict:
@@ -186,3 +218,66 @@ class BackgroundServer:
         self._server.should_exit = True
         self._thread.join(SHUTDOWN_TIMEOUT_S)
         self._socket.close()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with vLLM's shutdown: on SIGTERM or SIGINT the app stops taking API calls
+    (503) and /health turns 503, requests in flight get up to `shutdown_timeout` seconds to
+    finish, the rest are aborted (finish reason "abort"), and `serve` returns 0 instead of
+    re-raising the signal. A second signal skips the wait. If the engine dies, the server
+    stops at once and `serve` returns 1, so a supervisor restarts it."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._drain: Optional[asyncio.Future] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        app.state.async_llm.add_dead_listener(self._engine_died)
+
+    async def serve(self, sockets: Optional[list] = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:  # a signal handler: main thread
+        if self._loop is None:
+            self.should_exit = True
+        elif self._drain is not None:
+            self._loop.call_soon_threadsafe(self._drain.cancel)
+        else:
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        self.app.state.draining = True
+        logger.warning("shutting down: letting requests in flight finish for up to %.0f s",
+                       self.shutdown_timeout)
+        try:
+            await asyncio.shield(asyncio.ensure_future(self._drain_engine(self.shutdown_timeout)))
+        except asyncio.CancelledError:  # a second signal: abort what is left now
+            await self._drain_engine(0.0)
+        self.should_exit = True
+
+    async def _drain_engine(self, timeout: float) -> None:
+        aborted = await self.app.state.async_llm.drain(timeout)
+        if aborted:
+            logger.warning("aborted %d requests still running at shutdown", aborted)
+
+    def _engine_died(self, error: BaseException) -> None:
+        logger.error("the engine died (%r); stopping the server", error)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def serve(app: FastAPI, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+          log_level: str = "info") -> int:
+    """Serve until a signal (exit status 0) or the engine's death (1)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    server = GracefulServer(config, app, shutdown_timeout)
+    server.run()
+    return server.exit_code

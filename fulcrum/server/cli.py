@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+import os
+from typing import List, Optional
 
 from fulcrum.engine_args import add_engine_args, engine_kwargs
+
+API_KEY_ENV = "FULCRUM_API_KEY"
+# Copied from fulcrum.server.api_server, which imports the server's heavy dependencies.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 DESCRIPTION = """\
 Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions,
@@ -24,8 +30,17 @@ def register(subparsers) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only; "
                              "0.0.0.0 accepts remote clients)")
     server.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for "
+                             "several keys (default: $FULCRUM_API_KEY, comma-separated)")
+    server.add_argument("--max-request-body-bytes", type=int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413 (default 16 MiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on SIGTERM/SIGINT, seconds requests in flight get to finish "
+                             "before they are aborted (default 30)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (off: refused)")
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model argument)")
     server.add_argument("--uvicorn-log-level", default="info",
@@ -42,16 +57,20 @@ def served_model_name(args: argparse.Namespace) -> str:
     return name or args.model or DEFAULT_MODEL_NAME
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def api_keys(args: argparse.Namespace) -> List[str]:
+    if args.api_key:
+        return list(args.api_key)
+    return [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
 
+
+def run(args: argparse.Namespace) -> int:
     from fulcrum.async_engine import AsyncLLM
-    from fulcrum.server.api_server import build_app
+    from fulcrum.server.api_server import build_app, serve
 
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
-    app = build_app(async_llm, served_model_name(args), args.api_key)
+    app = build_app(async_llm, served_model_name(args), api_keys(args),
+                    args.max_request_body_bytes, args.trust_request_chat_template)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         async_llm.shutdown()
-    return 0

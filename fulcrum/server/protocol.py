@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from fulcrum.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# Each prompt of a request becomes an engine request; the queue limit bounds them too.
+MAX_PROMPTS_PER_REQUEST = 1024
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +47,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared within a salt
 
     def unsupported(self) -> Optional[str]:
         """Why this request cannot be served as asked, if it cannot."""
@@ -56,8 +58,6 @@ class SamplingRequest(BaseModel):
     def to_sampling_params(self, max_tokens: Optional[int],
                            logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; raises ValueError on out-of-range values."""
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
         return SamplingParams(
@@ -108,20 +108,44 @@ class CompletionRequest(SamplingRequest):
             return [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"prompt holds {len(prompt)} prompts, more than the "
+                             f"{MAX_PROMPTS_PER_REQUEST} one request may carry")
         return list(prompt)
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content; fulcrum's models read text parts only."""
+
+    type: str
+    text: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this is "
+                             "a text-only model")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: Union[str, List[Dict[str, Any]], None] = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def template_dict(self) -> Dict[str, Any]:
         """The message as the chat template sees it: content parts joined into one string."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content
-                              if part.get("type") == "text")
+            content = "".join(part.text or "" for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -129,7 +153,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: List[ChatMessage]
+    messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False

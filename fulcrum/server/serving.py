@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from fulcrum.async_engine import AsyncLLM, EngineDeadError
+from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.sampler import Logprob
 from fulcrum.sampling_params import SamplingParams
@@ -34,19 +34,23 @@ from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
 T = TypeVar("T")
 EnginePrompt = Tuple[Optional[str], List[int]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
+RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
 
 
 class APIError(Exception):
     """An error the client caused or should know about, sent in OpenAI's error format."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(
@@ -212,10 +216,20 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -
 ChunkMaker = Callable[[_Choice, _Delta], BaseModel]
 
 
+def overloaded(error: QueueFullError) -> APIError:
+    return APIError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class OpenAIServing:
-    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+    """`trust_request_chat_template`: whether a request may bring its own chat template. Off
+    by default, as in vLLM: the sandbox keeps a template from reaching the host, but not from
+    looping for minutes on the event loop."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str,
+                 trust_request_chat_template: bool = False) -> None:
         self.llm = async_llm
         self.model_name = model_name
+        self.trust_request_chat_template = trust_request_chat_template
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -226,6 +240,7 @@ class OpenAIServing:
                                 raw_request: Request) -> Union[Response, BaseModel]:
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
         prompts = self._completion_prompts(request)
+        self._check(prompts, params, request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = _Generation(prompts, request.n, request.echo)
         created = int(time.time())
@@ -241,7 +256,7 @@ class OpenAIServing:
             return CompletionChoice(index=c.index, text=delta.text, logprobs=logprobs,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-        outputs = self._generate(prompts, params, request_id, request.priority)
+        outputs = self._generate(prompts, params, request_id, request)
         return await self._respond(
             request, raw_request, generation, outputs,
             chunk=lambda c, d: response([choice(c, d)], self._running_usage(request, generation)),
@@ -267,8 +282,12 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Union[Response, BaseModel]:
         params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: start the server with "
+                                "--trust-request-chat-template to allow it", "chat_template")
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
                                   request.chat_template, request.chat_template_kwargs)
+        self._check([prompt], params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _Generation([prompt], request.n)
         created = int(time.time())
@@ -298,7 +317,7 @@ class OpenAIServing:
         roles = [chunk([ChatStreamChoice(index=c.index,
                                          delta=DeltaMessage(role="assistant", content=""))])
                  for c in generation.choices]
-        outputs = self._generate([prompt], params, request_id, request.priority)
+        outputs = self._generate([prompt], params, request_id, request)
         return await self._respond(
             request, raw_request, generation, outputs, chunk=delta_chunk,
             usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
@@ -329,10 +348,25 @@ class OpenAIServing:
         except (ValueError, TypeError) as error:
             raise bad_request(error) from None
 
+    def _check(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
+               request: SamplingRequest) -> None:
+        """Refuse the whole request before any of it streams or reaches the engine."""
+        try:
+            self.llm.engine.cache_salt({"cache_salt": request.cache_salt})
+            for _, token_ids in prompts:
+                self.llm.check_request(len(token_ids), params)
+            self.llm.check_capacity(len(prompts) * params.n)
+        except (ValueError, TypeError) as error:
+            raise bad_request(error) from None
+        except QueueFullError as error:
+            raise overloaded(error) from None
+
     def _generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
-                  request_id: str, priority: int) -> AsyncIterator[Tuple[int, RequestOutput]]:
-        streams = [self.llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                     f"{request_id}-{i}", priority)
+                  request_id: str, request: SamplingRequest,
+                  ) -> AsyncIterator[Tuple[int, RequestOutput]]:
+        streams = [self.llm.generate({"prompt": text, "prompt_token_ids": ids,
+                                      "cache_salt": request.cache_salt}, params,
+                                     f"{request_id}-{i}", request.priority)
                    for i, (text, ids) in enumerate(prompts)]
         return merge_streams(streams)
 
@@ -369,4 +403,6 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
             yield _sse(usage_chunk())
     except EngineDeadError as error:
         yield _sse(APIError(503, str(error)).body())
+    except RequestFailedError as error:
+        yield _sse(APIError(500, str(error)).body())
     yield "data: [DONE]\n\n"

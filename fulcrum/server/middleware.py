@@ -1,0 +1,92 @@
+"""ASGI middleware that guards the app before a route sees a request: the body-size limit and
+the gate that refuses new API calls while the server drains for shutdown.
+
+Both are plain ASGI (not Starlette's BaseHTTPMiddleware) because the body limit must count
+bytes as they arrive: a client may send a body without Content-Length, in chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Dict, MutableMapping
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fulcrum.server.serving import RETRY_AFTER_S, APIError
+
+Scope = MutableMapping
+Message = Dict
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# A body over the limit is still read (and dropped) up to this many times the limit before
+# the 413 goes out, so an ordinary client that is still sending sees the answer rather than
+# a reset connection; beyond that the connection is simply closed after the answer.
+DRAIN_FACTOR = 4
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body().model_dump(), status_code=error.status,
+                        headers=error.headers)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {limit} "
+                         "bytes (--max-request-body-bytes)")
+
+
+class BodySizeLimit:
+    """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            if int(declared) <= DRAIN_FACTOR * self.max_bytes:
+                await self._drain(receive, 0)
+            return await error_response(_too_large(self.max_bytes))(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    if message.get("more_body"):
+                        await self._drain(receive, received)
+                    # FastAPI passes an HTTPException raised while reading the body through.
+                    raise StarletteHTTPException(413, _too_large(self.max_bytes).message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive, received: int) -> None:
+        while received <= DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            received += len(message.get("body", b""))
+            if not message.get("more_body"):
+                return
+
+
+class DrainGate:
+    """While `is_draining()`, answer 503 (with Retry-After) to new calls of the /v1 API."""
+
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.is_draining():
+            error = APIError(503, "the server is shutting down", headers={
+                "Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+            return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
