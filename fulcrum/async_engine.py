@@ -178,6 +178,9 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
         limit = self.config.max_queued_requests
+        if num_requests > limit:
+            raise ValueError(f"this request makes {num_requests} engine requests (prompts x n),"
+                             f" more than may ever wait at once (max_queued_requests={limit})")
         if self.num_queued + num_requests > limit:
             raise QueueFullError(f"the server is overloaded: {self.num_queued} requests are "
                                  f"waiting (max_queued_requests={limit}); retry later")

@@ -117,7 +117,8 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Check a request's parameters against this model and the engine's limits; return
-        its max_tokens (what room the prompt leaves when the request gave none)."""
+        its max_tokens (the room the prompt leaves when the request gave none). Never clamps:
+        a prompt + max_tokens over max_model_len is refused, as vLLM's and OpenAI's servers do."""
         config = self.config
         if params.n > config.max_n:
             raise ValueError(f"n must be at most {config.max_n} (max_n), got {params.n}")
@@ -134,12 +135,8 @@ class LLMEngine:
                 f" prompt tokens + max_tokens {max(max_tokens, 1)} = "
                 f"{num_prompt_tokens + max(max_tokens, 1)} were requested; shorten the prompt "
                 "or lower max_tokens")
-        blocks = self.block_manager.blocks_needed(num_prompt_tokens + max_tokens)
-        if blocks > self.block_manager.num_usable_blocks:
-            raise ValueError(
-                f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} need {blocks} KV "
-                f"blocks but the cache has {self.block_manager.num_usable_blocks}: this request "
-                "could never run; lower max_tokens")
+        # The cache holds at least max_model_len tokens (checked when it is sized), so a
+        # request that passes here always fits once it has the cache to itself.
         return max_tokens
 
     @staticmethod

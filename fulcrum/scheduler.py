@@ -193,11 +193,15 @@ class Scheduler:
             for victim in victims:
                 if victim.status is RequestStatus.RUNNING:  # not already dropped with another
                     self._preempt(victim, plan)
+            # Re-read the hits: preempting drops the names of blocks the victims had not
+            # computed yet (and of blocks held by requests dropped along with them).
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
-            num_new = min(num_new, remaining)
+            num_new = self._chunk_size(remaining, plan.budget)
+            if num_new < remaining and not self.chunked_prefill:
+                return False
         if not self.kv.allocate_slots(request, num_new, computed):
-            return False  # a preemption dropped more hits than weighed; try again next step
+            return False  # more hits were dropped than weighed; try again next step
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING

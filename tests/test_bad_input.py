@@ -109,6 +109,18 @@ BAD_PARAMS = [
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty must be a finite number"),
+    (dict(seed=2 ** 63), "seed must be an integer in"),
+    (dict(seed=-(2 ** 63) - 1), "seed must be an integer in"),
+    (dict(seed=1.5), "seed"),
+    (dict(n=True), "n must"),
+    (dict(stop=["x"] * 65), "stop has 65 strings, more than the 64"),
+    (dict(stop=["x" * 1025]), "at most 1024 characters"),
+    (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(stop_token_ids=list(range(1025))), "stop_token_ids has 1025 ids"),
 ]
 
 
@@ -119,9 +131,56 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs", [dict(top_p=1.0), dict(top_p=1e-6), dict(temperature=0.0),
-                                    dict(max_tokens=1), dict(top_k=-1)])
+                                    dict(max_tokens=1), dict(top_k=-1), dict(seed=2 ** 63 - 1),
+                                    dict(seed=-(2 ** 63)), dict(stop=["x" * 1024] * 64)])
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
+
+
+ENGINE_REFUSALS = [
+    (dict(n=129), "n must be at most 128 \\(max_n\\), got 129"),
+    (dict(logprobs=21), "logprobs must be at most 20 \\(max_logprobs\\), got 21"),
+    (dict(stop_token_ids=[3, VOCAB]), f"stop_token_ids: token id {VOCAB} is out of vocabulary"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", ENGINE_REFUSALS,
+                         ids=[str(k) for k, _ in ENGINE_REFUSALS])
+def test_engine_limits_refuse_before_queueing(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([ids(1, 2), ids(3, 4)], SamplingParams(max_tokens=2, **kwargs),
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_engine_limits_are_engine_args(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_n=2, max_logprobs=1)
+    with pytest.raises(ValueError, match="n must be at most 2"):
+        llm.generate(ids(1), SamplingParams(n=3, max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be at most 1"):
+        llm.generate(ids(1), SamplingParams(logprobs=2, max_tokens=1), use_tqdm=False)
+    (output,) = llm.generate(ids(1), SamplingParams(n=2, logprobs=1, max_tokens=1,
+                                                    seed=2 ** 63 - 1), use_tqdm=False)
+    assert len(output.outputs) == 2  # the second child's seed wraps around, in range
+
+
+def test_cache_salt_must_be_a_non_empty_string(llm):
+    for salt in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate({"prompt_token_ids": [1, 2], "cache_salt": salt},
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_a_full_length_request_fits_the_smallest_cache_allowed(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, block_size=4,
+              num_gpu_blocks_override=MAX_LEN // 4 + 1)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(str(llama_dir), max_model_len=MAX_LEN, block_size=4,
+            num_gpu_blocks_override=MAX_LEN // 4)
+    (output,) = llm.generate(ids(*[7] * 40), SamplingParams(max_tokens=MAX_LEN - 40,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == MAX_LEN - 40
+    assert_all_blocks_free(llm.llm_engine)
 
 
 # ------------------------------------------------------------- engine API

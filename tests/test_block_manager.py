@@ -341,3 +341,36 @@ def test_check_invariants_detects_corruption(kv):
     kv.ref_cnt[kv.block_table("a")[0]] += 1
     with pytest.raises(AssertionError):
         kv.check_invariants(live(a))
+
+
+# ------------------------------------------------------------------ keys and salts
+def salted(request_id: str, tokens, salt):
+    request = make_request(request_id, tokens)
+    request.cache_salt = salt
+    return request
+
+
+def test_block_keys_are_sha256_chained_over_the_whole_prefix(kv):
+    import hashlib
+    from array import array
+
+    from fulcrum.block_manager import root_key
+
+    request = make_request("a", range(9))
+    admit(kv, request)
+    first = hashlib.sha256(root_key(None) + array("q", range(4)).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", range(4, 8)).tobytes()).digest()
+    assert request.block_hashes == [first, second]
+    assert [kv.block_key[b] for b in kv.block_table("a")[:2]] == [first, second]
+
+
+def test_different_salts_never_share_blocks_and_equal_salts_do():
+    kv = BlockManager(num_blocks=20, block_size=BS, enable_prefix_caching=True)
+    tokens = list(range(13))
+    assert admit(kv, salted("a", tokens, "tenant-1")) == 0
+    assert admit(kv, salted("b", tokens, "tenant-2")) == 0
+    assert admit(kv, salted("c", tokens, None)) == 0
+    assert admit(kv, salted("d", tokens, "tenant-1")) == 12
+    assert kv.block_table("d")[:3] == kv.block_table("a")[:3]
+    assert not set(kv.block_table("b")) & set(kv.block_table("a"))
+    kv.check_invariants(live(*[salted(i, [], None) for i in "abcd"]))

@@ -491,3 +491,37 @@ def test_finish_requests_frees_blocks_and_reports_once():
     assert chunk_of(out, "a") is None
     sim.update(out)
     assert sim.sched.schedule().finished_request_ids == []
+
+
+# ------------------------------------------------------- admission with preemption
+def test_prefix_hits_dropped_by_a_preemption_are_not_handed_to_the_newcomer():
+    """A newcomer's prefix hit on a block another request names (but has not computed) this
+    step must not survive that request's preemption for the newcomer's sake."""
+    sim = Sim(num_blocks=6, block_size=4, scheduling_policy="priority")
+    sim.add("r0", 8, max_tokens=4, priority=1)
+    r1 = sim.add("r1", 7, max_tokens=4, priority=1)
+    sim.step()  # both prefilled: r0 holds 9 tokens, r1 8 (its last one not computed yet)
+    # r2 repeats all of r1's tokens: r1's decode this step fills (and names) r1's block 1.
+    sim.add("r2", 9, priority=0, tokens=r1.all_token_ids + [99])
+    out = sim.schedule()
+    assert sorted(out.preempted_request_ids) == ["r0", "r1"]  # five blocks for r2's three
+    chunk = chunk_of(out, "r2")
+    # Only r1's block 0 was computed; block 1 lost its name when r1 gave it back.
+    assert chunk.start_pos == 4 and chunk.token_ids == sim.all["r2"].all_token_ids[4:]
+    sim.update(out)
+    sim.run()
+
+
+def test_no_preemption_for_a_seat_when_the_newcomer_would_still_not_fit():
+    sim = Sim(num_blocks=9, block_size=4, scheduling_policy="priority", max_num_seqs=2)
+    sim.add("big", 16, max_tokens=8, priority=0)
+    sim.add("small", 4, max_tokens=8, priority=2)
+    sim.step()
+    # Decodes leave one free block; "mid" needs four. Evicting "small" would free two, and
+    # "big" outranks "mid": so nothing may be preempted, and "small" keeps decoding.
+    sim.add("mid", 16, max_tokens=4, priority=1)
+    out = sim.step()
+    assert out.preempted_request_ids == []
+    assert chunk_of(out, "small").num_tokens == 1 and chunk_of(out, "mid") is None
+    assert sim.all["small"].metrics.num_preemptions == 0
+    sim.run()

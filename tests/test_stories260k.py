@@ -106,3 +106,25 @@ def test_continuing_from_a_generated_prefix_hits_decode_blocks(stories_dir, case
     assert second.outputs[0].token_ids == case["greedy_token_ids"][k:]
     assert second.num_cached_tokens == (len(extended) - 1) // block_size * block_size
     assert_all_blocks_free(llm.llm_engine)
+
+
+def test_min_tokens_holds_back_stop_strings(stories_dir, cases):
+    """As in vLLM: a stop string counts only in text after the first min_tokens tokens."""
+    llm = LLM(str(stories_dir))
+    case = cases[0]
+    tokenizer = llm.get_tokenizer()
+    ids = case["greedy_token_ids"]
+    word = next(w for w in case["greedy_text"].split()[1:] if len(w) > 2)
+    # The token after which `word` first appears in the greedy text.
+    first = next(k for k in range(1, len(ids) + 1) if word in tokenizer.decode(ids[:k]))
+    (plain,) = llm.generate(case["prompt"], SamplingParams(
+        temperature=0.0, max_tokens=case["max_tokens"], stop=[word]), use_tqdm=False)
+    assert plain.outputs[0].finish_reason == "stop" and len(plain.outputs[0].token_ids) == first
+    (held,) = llm.generate(case["prompt"], SamplingParams(
+        temperature=0.0, max_tokens=case["max_tokens"], stop=[word], min_tokens=first),
+        use_tqdm=False)
+    completion = held.outputs[0]
+    assert len(completion.token_ids) > first
+    assert completion.token_ids == ids[:len(completion.token_ids)]
+    assert case["greedy_text"].startswith(completion.text)
+    assert len(completion.text) > len(plain.outputs[0].text) + len(word)

@@ -1,0 +1,184 @@
+"""The server's life beyond single requests: the queue limit (503 + Retry-After), API keys,
+graceful shutdown on SIGTERM (in-flight requests finish or are aborted, exit status 0), and
+the engine's death (clients get errors, `serve` returns 1 so a supervisor restarts it)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+import httpx
+import pytest
+
+from fulcrum.async_engine import AsyncLLM
+from fulcrum.server import BackgroundServer, build_app
+from fulcrum.server.api_server import serve
+from fulcrum.server.cli import api_keys
+from fulcrum.cli import build_parser
+
+LONG = {"prompt": "a long answer", "max_tokens": 400, "ignore_eos": True}
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def stream_events(url: str, body: dict, first_chunk: threading.Event = None) -> List[dict]:
+    """POST a streamed completion and return its events (the final [DONE] as None)."""
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+                if first_chunk is not None:
+                    first_chunk.set()
+    return events
+
+
+def finish(events: List[dict]) -> tuple:
+    """(finish reason, number of text chunks) of a streamed single-choice completion."""
+    assert events[-1] is None, "the stream did not end with [DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    return chunks[-1]["choices"][0]["finish_reason"], len(chunks)
+
+
+# ------------------------------------------------------------------ queue limit
+def test_queue_limit_answers_503_with_retry_after(llama_dir):
+    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir), max_num_seqs=1,
+                                          max_queued_requests=2)
+    try:
+        with BackgroundServer(build_app(async_llm, "m")) as server, \
+                concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = threading.Event()
+            futures = [pool.submit(stream_events, server.url, LONG, running)]
+            running.wait(30)
+            futures += [pool.submit(stream_events, server.url, LONG) for _ in range(2)]
+            wait_until(lambda: async_llm.num_queued == 2, what="two queued requests")
+            response = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert error["code"] == 503 and "max_queued_requests=2" in error["message"]
+            # A request that could never be queued is a client error, not a retry.
+            too_many = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 3})
+            assert too_many.status_code == 400 and "max_queued_requests" in too_many.text
+            assert httpx.get(server.url + "/health").status_code == 200
+            for future in futures:
+                assert finish(future.result(60)) == ("length", 400)
+            wait_until(lambda: async_llm.is_idle, what="idle")
+            accepted = httpx.post(server.url + "/v1/completions", json={"prompt": "x",
+                                                                        "max_tokens": 2})
+            assert accepted.status_code == 200
+    finally:
+        async_llm.shutdown()
+
+
+# --------------------------------------------------------------------- API keys
+def test_several_api_keys_from_flags_or_environment(llama_dir, monkeypatch):
+    parse = build_parser().parse_args
+    monkeypatch.setenv("FULCRUM_API_KEY", "env-one, env-two")
+    assert api_keys(parse(["serve"])) == ["env-one", "env-two"]
+    assert api_keys(parse(["serve", "--api-key", "a", "--api-key", "b"])) == ["a", "b"]
+    monkeypatch.delenv("FULCRUM_API_KEY")
+    assert api_keys(parse(["serve"])) == []
+    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir))
+    try:
+        with BackgroundServer(build_app(async_llm, "m", api_key=["a", "b"])) as server:
+            def status(key):
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                return httpx.get(server.url + "/v1/models", headers=headers).status_code
+            assert [status(k) for k in ("a", "b", "c", "", "ab")] == [200, 200, 401, 401, 401]
+            assert httpx.get(server.url + "/health").status_code == 200  # open without a key
+    finally:
+        async_llm.shutdown()
+
+
+# ------------------------------------------------------------------- shutdown
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fulcrum", "serve", str(llama_dir), "--port", str(port),
+         "--shutdown-timeout", "1.5", "--uvicorn-log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout.read().decode()
+                return False
+
+        wait_until(healthy, 90, "the server to start")
+        with concurrent.futures.ThreadPoolExecutor(9) as pool:
+            started = [threading.Event() for _ in range(9)]
+            short = pool.submit(stream_events, url, {**LONG, "max_tokens": 8}, started[0])
+            longs = [pool.submit(stream_events, url, {**LONG, "max_tokens": 480}, e)
+                     for e in started[1:]]
+            for event in started:
+                assert event.wait(30)
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(url + "/health").status_code == 503, 5, "draining")
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+            assert finish(short.result(30)) == ("length", 8)
+            for future in longs:
+                reason, chunks = finish(future.result(30))
+                assert reason == "abort" and chunks < 480
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_engine_death_fails_clients_and_serve_returns_one(llama_dir):
+    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir))
+    app = build_app(async_llm, "m")
+    port = free_port()
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "code", serve(app, "127.0.0.1", port, log_level="warning")), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, 30, "the server to start")
+
+        def broken_schedule():
+            raise RuntimeError("injected: scheduler state corrupted")
+
+        async_llm.engine.scheduler.schedule = broken_schedule
+        response = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert response.status_code == 503
+        assert "injected: scheduler state corrupted" in response.json()["error"]["message"]
+        thread.join(30)
+        assert result == {"code": 1}
+        assert not async_llm.is_healthy
+    finally:
+        async_llm.shutdown()
