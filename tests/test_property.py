@@ -1,4 +1,5 @@
-"""Randomised engine runs on the tiny llama: arrivals between steps, aborts, small KV caches.
+"""Randomised engine runs on the tiny llama: arrivals between steps, aborts, small KV caches,
+priorities that preempt, and cache salts that partition the prefix cache.
 
 Whatever the configuration, every request ends exactly once with the right reason and length,
 greedy and seeded outputs equal those of a plain reference engine, the block
@@ -86,6 +87,7 @@ request_specs = st.fixed_dictionaries(dict(
     seed=st.sampled_from(SEEDS),
     priority=st.integers(0, 2),
     stop_at=st.one_of(st.none(), st.integers(0, MAX_TOKENS - 1)),
+    salt=st.sampled_from([None, None, "tenant-a", "tenant-b"]),
 ))
 
 # Per step: the requests that arrive before it and which live requests to abort (as indices).
@@ -122,7 +124,8 @@ def run_scenario(model_dir: str, reference: Reference, config: dict, schedule: l
                 if spec["stop_at"] is not None and spec["stop_at"] < spec["max_tokens"]:
                     stop_ids = [ref[spec["stop_at"]]]
                 rid = f"req{len(expected)}"
-                engine.add_request(rid, prompt_of(spec),
+                engine.add_request(rid, {"prompt_token_ids": prompt_of(spec),
+                                         "cache_salt": spec["salt"]},
                                    params(spec["seed"], spec["max_tokens"], stop_ids),
                                    priority=spec["priority"])
                 expected[rid] = dict(spec, ref=ref, stop_ids=stop_ids or [])
@@ -188,22 +191,44 @@ def test_random_workloads_complete_consistently(llama_dir, reference, config, sc
     event(f"prefix hits: {engine.scheduler.prefix_cache_hits > 0}")
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_heavy_workload_exercises_preemption_prefix_hits_aborts_and_stops(llama_dir, reference,
-                                                                          chunked):
-    """A fixed crowded workload, so the paths the random one may miss are always run."""
+def crowded_schedule(salt_of=lambda i: None) -> list:
     def spec(i: int) -> dict:
         return dict(shared=[16, 24, 32][i % 3], tail=[(11 * i + j) % 256 for j in range(8)],
-                    max_tokens=MAX_TOKENS - i % 3, seed=SEEDS[i % 3], priority=i % 2,
-                    stop_at=5 if i % 2 else None)
+                    max_tokens=MAX_TOKENS - i % 3, seed=SEEDS[i % 3], priority=i % 3,
+                    stop_at=5 if i % 2 else None, salt=salt_of(i))
 
-    schedule = [([spec(4 * s + k) for k in range(4)], [3 * s]) for s in range(6)]
-    config = dict(block_size=4, num_gpu_blocks_override=14, enable_prefix_caching=True,
-                  enable_chunked_prefill=chunked, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                  max_num_batched_tokens=16 if chunked else MAX_MODEL_LEN)
-    engine, aborted, results = run_scenario(str(llama_dir), reference, config, schedule, 1)
+    return [([spec(4 * s + k) for k in range(4)], [3 * s]) for s in range(6)]
+
+
+def crowded_config(chunked: bool, policy: str) -> dict:
+    return dict(block_size=4, num_gpu_blocks_override=14, enable_prefix_caching=True,
+                enable_chunked_prefill=chunked, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=16 if chunked else MAX_MODEL_LEN,
+                scheduling_policy=policy)
+
+
+@pytest.mark.parametrize("chunked,policy", [(True, "fcfs"), (False, "fcfs"),
+                                            (True, "priority"), (False, "priority")])
+def test_heavy_workload_exercises_preemption_prefix_hits_aborts_and_stops(llama_dir, reference,
+                                                                          chunked, policy):
+    """A fixed crowded workload, so the paths the random one may miss are always run."""
+    salts = lambda i: ["a", None][i % 2]  # noqa: E731 - two tenants share the cache
+    engine, aborted, results = run_scenario(str(llama_dir), reference,
+                                            crowded_config(chunked, policy),
+                                            crowded_schedule(salts), 1)
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.scheduler.prefix_cache_hits > 0
     assert len(aborted) == 6
     assert any(r.outputs[0].finish_reason == "stop" for r in results.values())
     assert any(r.outputs[0].finish_reason == "length" for r in results.values())
+
+
+def test_requests_with_different_salts_never_share_a_prefix(llama_dir, reference):
+    """Every request its own salt: no first admission hits the cache (a preempted request
+    may still hit its own blocks when it resumes), though the prompts share prefixes."""
+    config = crowded_config(True, "priority")
+    _, _, shared = run_scenario(str(llama_dir), reference, config, crowded_schedule(), 1)
+    assert any(r.num_cached_tokens > 0 for r in shared.values())
+    _, _, salted = run_scenario(str(llama_dir), reference, config,
+                                crowded_schedule(lambda i: f"tenant-{i}"), 1)
+    assert all(r.num_cached_tokens == 0 for r in salted.values())
