@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 PromptType = Union[str, List[int], Dict[str, Any]]
 STATS_HISTORY = 100_000
+# Normalizers may change a text's length a little before it is split into tokens.
+TEXT_SLACK = 2
 
 
 def resolve_device(device: str) -> torch.device:
@@ -94,11 +96,22 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a prompt text. A text too long to fit in max_model_len tokens even at
+        the most characters a token can stand for is refused before it is tokenized, so a
+        huge body cannot hold the server up tokenizing it."""
+        limit = TEXT_SLACK * self.config.max_model_len * self.tokenizer.max_chars_per_token
+        if len(text) > limit:
+            raise ValueError(f"the prompt is {len(text)} characters long: more than "
+                             f"{self.config.max_model_len} tokens (the maximum model length) "
+                             "can hold")
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -107,7 +120,7 @@ class LLMEngine:
         if len(token_ids) > limit:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, more than the maximum "
                              f"model length of {limit} tokens")
-        self._check_token_ids("token id", token_ids)
+        self._check_token_ids("prompt token id", token_ids)
 
     def _check_token_ids(self, what: str, token_ids: Iterable[int]) -> None:
         bad = [t for t in token_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
@@ -135,6 +148,9 @@ class LLMEngine:
                 f" prompt tokens + max_tokens {max(max_tokens, 1)} = "
                 f"{num_prompt_tokens + max(max_tokens, 1)} were requested; shorten the prompt "
                 "or lower max_tokens")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} "
+                             "tokens this request may generate")
         # The cache holds at least max_model_len tokens (checked when it is sized), so a
         # request that passes here always fits once it has the cache to itself.
         return max_tokens
@@ -156,6 +172,10 @@ class LLMEngine:
             raise TypeError("params must be a SamplingParams")
         if not _is_int(priority):
             raise TypeError("priority must be an integer")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        max_tokens = self.validate_params(params, len(token_ids))
+        salt = self.cache_salt(prompt)
         if request_id is None:
             request_id = str(next(self._request_counter))
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
@@ -164,10 +184,6 @@ class LLMEngine:
                  or i in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
-        max_tokens = self.validate_params(params, len(token_ids))
-        salt = self.cache_salt(prompt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for index, child_id in enumerate(child_ids):

@@ -156,7 +156,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: List[int], top_p: List[float]) -> 
     vocab = logits.shape[-1]
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).clamp(max=vocab)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=device)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     remove = ranks >= k.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

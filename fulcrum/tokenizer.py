@@ -40,6 +40,9 @@ class Tokenizer:
         self.chat_template = self._find_chat_template(folder, config)
         self.eos_token_ids = self._find_eos_ids(folder)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # No token stands for more characters than its own string has (byte-level and
+        # byte-fallback pieces spell a byte with one or more characters).
+        self.max_chars_per_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
 
     @staticmethod
     def _find_chat_template(folder: Path, config: Dict[str, Any]) -> Optional[str]:

@@ -336,3 +336,22 @@ def test_max_model_len_beyond_the_model(llama_dir):
 def test_kv_cache_too_small_for_one_request(llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(llama_dir), max_model_len=64, block_size=16, num_gpu_blocks_override=4)
+
+
+def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(llm):
+    engine = llm.llm_engine
+    limit = 2 * MAX_LEN * engine.tokenizer.max_chars_per_token
+    with pytest.raises(ValueError, match=f"{limit + 1} characters long: more than {MAX_LEN} "
+                                         "tokens"):
+        llm.generate("x" * (limit + 1), SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum model length"):  # tokenized, then refused
+        llm.generate("x" * limit, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_top_k_beyond_the_vocabulary_means_no_cap(llm):
+    def sample(top_k):
+        params = SamplingParams(temperature=1.0, seed=7, top_k=top_k, max_tokens=6,
+                                ignore_eos=True)
+        return llm.generate(ids(1, 2, 3), params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert sample(10 ** 30) == sample(VOCAB) == sample(0)

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.server.metrics import ServerMetrics
-from fulcrum.server.middleware import BodySizeLimit, DrainGate, error_response
+from fulcrum.server.middleware import BodyGuard, DrainGate, error_response
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
@@ -58,7 +58,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(bad_request(_validation_message(error)))
 
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(error.status_code, str(error.detail)))
+        message = str(error.detail)
+        if error.__cause__ is not None:  # FastAPI's "error parsing the body" hides why
+            message = f"{message}: {str(error.__cause__)[:200]}"
+        return error_response(APIError(error.status_code, message))
 
     async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, str(error)))
@@ -114,7 +117,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str,
     app.include_router(_openai_routes(serving, keys))
     app.include_router(_utility_routes(serving, metrics, lambda: app.state.draining))
     app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     return app
 
 
@@ -166,7 +169,10 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
         if request.messages is not None:
             _, tokens = serving.render_chat(request.messages, request.add_generation_prompt)
         else:
-            tokens = llm.tokenizer.encode(request.prompt, request.add_special_tokens)
+            try:
+                tokens = llm.engine.encode(request.prompt, request.add_special_tokens)
+            except ValueError as error:
+                raise bad_request(error) from None
         return TokenizeResponse(count=len(tokens), max_model_len=llm.config.max_model_len,
                                 tokens=tokens)
 

@@ -1,5 +1,5 @@
-"""ASGI middleware that guards the app before a route sees a request: the body-size limit and
-the gate that refuses new API calls while the server drains for shutdown.
+"""ASGI middleware that guards the app before a route sees a request: the body's size and
+encoding, and the gate that refuses new API calls while the server drains for shutdown.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware) because the body limit must count
 bytes as they arrive: a client may send a body without Content-Length, in chunks.
@@ -36,8 +36,15 @@ def _too_large(limit: int) -> APIError:
                          "bytes (--max-request-body-bytes)")
 
 
-class BodySizeLimit:
-    """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives."""
+def _is_wide_unicode(head: bytes) -> bool:
+    """Whether a body starts as UTF-16 or UTF-32 would: JSON in UTF-8 has no NUL byte, and
+    Python's json would otherwise decode those encodings too (RFC 8259 asks for UTF-8)."""
+    return b"\x00" in head[:4] or head.startswith((b"\xff\xfe", b"\xfe\xff"))
+
+
+class BodyGuard:
+    """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives, and
+    400 to one that is not UTF-8."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -57,6 +64,8 @@ class BodySizeLimit:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
+                if received == 0 and _is_wide_unicode(message.get("body", b"")):
+                    raise StarletteHTTPException(400, "the request body must be UTF-8 JSON")
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     if message.get("more_body"):

@@ -274,13 +274,17 @@ class OpenAIServing:
         """(text, token ids) of one prompt, checked against the model's limits."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt,
-                      "prompt_token_ids": self.llm.tokenizer.encode(prompt, add_special)}
+                      "prompt_token_ids": self.llm.engine.encode(prompt, add_special)}
         text, token_ids = self.llm.process_prompt(prompt)
         return (text if text is not None else self.llm.tokenizer.decode(token_ids)), token_ids
 
     # --------------------------------------------------------------- chat
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Union[Response, BaseModel]:
+        limit = self.llm.config.max_logprobs
+        if request.top_logprobs is not None and request.top_logprobs > limit:
+            raise APIError(400, f"top_logprobs must be at most {limit} (max_logprobs), got "
+                                f"{request.top_logprobs}", "top_logprobs")
         params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: start the server with "
@@ -331,7 +335,7 @@ class OpenAIServing:
             text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
                                                  add_generation_prompt, chat_template,
                                                  **(template_kwargs or {}))
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            token_ids = self.llm.engine.encode(text, add_special_tokens=False)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids})
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise bad_request(error) from None
