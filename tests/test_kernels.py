@@ -230,3 +230,16 @@ def test_write_kv_bf16_stores_each_slot_in_the_pair_layout():
     assert torch.equal(keys[blocks, offsets], k)
     assert torch.equal(values[blocks, offsets], v)
     assert int((keys != 0).any(-1).any(-1).sum()) == len(slots)  # nothing else written
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
+    """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from fulcrum import kernels; kernels.paged_attention(); "
+            "kernels.has_elementwise(); "
+            "print(torch.tensor(1e-40, dtype=torch.float32).item() > 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.stdout.strip() == "True", result.stderr

@@ -34,7 +34,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffast-math's parts, not the flag itself: with -ffast-math, GCC before 13 links
+# crtfastmath.o into shared objects too, and loading the kernels would then switch the whole
+# process to flush-to-zero arithmetic (numpy, torch and the caller's own code included).
+FAST_MATH = ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
+             "-fassociative-math", "-freciprocal-math"]
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
 def _cpu_flags() -> str:
