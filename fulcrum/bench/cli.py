@@ -1,6 +1,6 @@
-"""`fulcrum bench serve | throughput | sweep | report`: argument wiring only; the work is in the
-sibling modules. Without a model folder, throughput and sweep use a real model's shape with
-dummy weights (see shapes.py)."""
+"""`fulcrum bench serve | throughput | sweep | report | stress`: argument wiring only; the work
+is in the sibling modules. Without a model folder, throughput and sweep use a real model's shape
+with dummy weights (see shapes.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     _register_throughput(commands)
     _register_sweep(commands)
     _register_report(commands)
+    _register_stress(commands)
 
 
 def _register_serve(commands) -> None:
@@ -109,6 +110,39 @@ def _register_report(commands) -> None:
     parser.set_defaults(func=run_report)
 
 
+def _register_stress(commands) -> None:
+    parser = commands.add_parser(
+        "stress", help="robustness: concurrent streams that disconnect or stall, then leaks",
+        description="Open many concurrent streaming /v1/completions requests against a "
+                    "running server, some hanging up mid-stream and some stalling unread; "
+                    "check that kept streams got every token asked for and that, once idle, "
+                    "nothing is left running, waiting or holding KV blocks; report the "
+                    "server's RSS per round. Exits non-zero on any error or leak.")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", help="model name for the requests (default: the first "
+                                        "that /v1/models lists)")
+    parser.add_argument("--num-clients", type=int, default=1000,
+                        help="concurrent requests per round (default 1000)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="tokens each request asks for, with ignore_eos (default 32)")
+    parser.add_argument("--disconnect-fraction", type=float, default=0.3,
+                        help="share of clients that hang up at a random point (default 0.3)")
+    parser.add_argument("--stall-fraction", type=float, default=0.05,
+                        help="share of clients that open the stream, never read it and hang "
+                             "up after --stall-seconds (default 0.05)")
+    parser.add_argument("--stall-seconds", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds prompts and client roles")
+    parser.add_argument("--read-timeout", type=float, default=120.0,
+                        help="longest wait for the headers or one chunk, seconds")
+    parser.add_argument("--round-timeout", type=float, default=600.0,
+                        help="bound on one round's requests, seconds")
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="bound on the wait for an idle server after a round, seconds")
+    parser.add_argument("--save-result", metavar="FILE", help="write the report as JSON")
+    parser.set_defaults(func=run_stress)
+
+
 def parse_slo(items: List[str]) -> Dict[str, float]:
     slo = {}
     for item in items:
@@ -150,6 +184,31 @@ def run_serve(args: argparse.Namespace) -> int:
             "base_url": args.base_url, "model": model, "args": _run_args(args),
             "reports": reports, "errors": errors})
     return 1 if errors else 0
+
+
+def run_stress(args: argparse.Namespace) -> int:
+    import httpx
+
+    from fulcrum.bench.stress import StressConfig, format_table
+    from fulcrum.bench.stress import run_stress as stress
+
+    config = StressConfig(
+        base_url=args.base_url, model=args.model, num_clients=args.num_clients,
+        rounds=args.rounds, max_tokens=args.max_tokens,
+        disconnect_fraction=args.disconnect_fraction, stall_fraction=args.stall_fraction,
+        stall_seconds=args.stall_seconds, seed=args.seed, read_timeout=args.read_timeout,
+        round_timeout=args.round_timeout, drain_timeout=args.drain_timeout)
+    try:
+        report = asyncio.run(stress(config))
+    except httpx.HTTPError as error:  # no server there, or /metrics or /v1/models failed
+        print(f"fulcrum bench stress: cannot use {args.base_url}: {type(error).__name__}: "
+              f"{error}")
+        return 2
+    print(format_table(report))
+    if args.save_result:
+        _write_json(args.save_result, {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), **report})
+    return 0 if report["passed"] else 1
 
 
 def _run_args(args: argparse.Namespace) -> Dict[str, Any]:

@@ -5,6 +5,13 @@ prefix changed. Every collector lives in a private CollectorRegistry per server,
 apps in one process (as in the tests) never share counts. Updates run on the event loop,
 from `AsyncLLM`'s listener hook, never on the engine thread.
 
+The queue and KV-cache gauges are set from every step report and refreshed from a live
+snapshot of the scheduler at each scrape: when the last request is aborted, or finishes, no
+later step may report the idle state, and a scrape must not show it still running. The
+snapshot is read from the event loop while the engine thread runs on; its fields are plain
+counts, each consistent on its own. `process_*` metrics (resident memory, CPU time, open
+files) come from prometheus_client's ProcessCollector.
+
 Latencies come from the engine's request timestamps where they are set once (arrival,
 first scheduled, first token, finished) and otherwise from the report's step time, which is
 when the step's tokens left the engine.
@@ -15,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -27,7 +35,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -66,6 +74,7 @@ class _LoopCollector(Collector):
 class ServerMetrics:
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self._async_llm = async_llm
         self._labels = {"model_name": model_name}
         self._progress: Dict[str, _Progress] = {}
         self._last_stats: StepStats | None = None
@@ -73,6 +82,7 @@ class ServerMetrics:
         self._define_counters()
         self._define_histograms()
         self.registry.register(_LoopCollector(async_llm, self._labels))
+        ProcessCollector(registry=self.registry)
         async_llm.add_listener(self.record)
 
     def _gauge(self, name: str, doc: str) -> Gauge:
@@ -93,6 +103,9 @@ class ServerMetrics:
                                      "Waiting requests that were preempted and must resume")
         self.kv_usage = self._gauge("fulcrum:kv_cache_usage_perc",
                                     "Fraction of KV-cache blocks in use (1 = full)")
+        self.kv_blocks_used = self._gauge("fulcrum:kv_cache_blocks_used",
+                                          "KV-cache blocks referenced by requests (blocks "
+                                          "kept only for the prefix cache count as free)")
         self.hit_rate = self._gauge("fulcrum:prefix_cache_hit_rate",
                                     "Share of looked-up prompt tokens found in the prefix cache")
 
@@ -135,6 +148,7 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.preempted.set(num_preempted)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
         last = self._last_stats
         self.preemptions.inc(stats.num_preemptions_total
                              - (last.num_preemptions_total if last else 0))
@@ -182,5 +196,22 @@ class ServerMetrics:
         if metrics.first_token_time is not None and longest > 1:
             self.tpot.observe((progress.last_time - metrics.first_token_time) / (longest - 1))
 
+    def refresh_state(self) -> None:
+        """Set the queue and KV-cache gauges from the scheduler as it stands now.
+
+        On failure (the engine thread changed a queue mid-read) the gauges keep the last step
+        report's values.
+        """
+        try:
+            stats = self._async_llm.engine.scheduler.stats()
+        except (RuntimeError, AttributeError):
+            return
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preempted.set(stats.num_preempted_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+
     def render(self) -> bytes:
+        self.refresh_state()
         return generate_latest(self.registry)
