@@ -89,17 +89,12 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
 def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device,
                        backend: AttentionBackend) -> List[KVCache]:
-    """Per-layer (key, value) tensors in the backend's layout. Unzeroed memory is only
-    committed as blocks get used, which is right for a backend that never reads a slot
-    before writing it."""
+    """Per-layer (key, value) tensors in the backend's layout, zeroed. Zeroing commits the
+    whole cache's memory now, as vLLM reserves its cache on a GPU: with unzeroed memory the
+    OS would commit pages only as blocks are first used, so a server's memory would creep up
+    under load for hours (and could then be killed for it) instead of being what it will
+    ever use from the start."""
     k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, spec.num_kv_heads,
                                             spec.head_dim)
-    make = torch.zeros if backend.reads_padding else torch.empty
-    caches = []
-    for _ in range(spec.num_layers):
-        k = make(k_shape, dtype=dtype, device=device)
-        v = make(v_shape, dtype=dtype, device=device)
-        k[NULL_BLOCK].zero_()
-        v[NULL_BLOCK].zero_()
-        caches.append((k, v))
-    return caches
+    return [(torch.zeros(k_shape, dtype=dtype, device=device),
+             torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]

@@ -34,3 +34,20 @@ def test_bfloat16_cache_holds_twice_the_blocks(stories_dir):
 def test_unknown_cache_dtype_is_refused(stories_dir):
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(stories_dir), kv_cache_dtype="fp4")
+
+
+def test_the_cache_memory_is_committed_when_the_engine_starts(stories_dir):
+    """The whole cache is resident from the start, so a server's memory does not creep up
+    as blocks are first used under load."""
+    import subprocess
+    import sys
+
+    budget = 256 << 20
+    code = (f"import os; from fulcrum import LLM\n"
+            f"def rss(): return int(open('/proc/self/statm').read().split()[1]) * "
+            f"os.sysconf('SC_PAGE_SIZE')\n"
+            f"before = rss(); llm = LLM({str(stories_dir)!r}, kv_cache_memory_bytes={budget})\n"
+            f"print(rss() - before)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert int(result.stdout.strip().splitlines()[-1]) > 0.95 * budget, result.stderr

@@ -118,7 +118,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "fulcrum", "serve", str(llama_dir), "--port", str(port),
-         "--shutdown-timeout", "1.5", "--uvicorn-log-level", "warning"],
+         "--shutdown-timeout", "1", "--max-num-seqs", "1", "--uvicorn-log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         def healthy() -> bool:
@@ -129,26 +129,40 @@ def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
                 return False
 
         wait_until(healthy, 90, "the server to start")
+        # One request runs at a time: the short one first, then eight long ones in turn,
+        # far more work than the one second the server gives them once signalled.
         with concurrent.futures.ThreadPoolExecutor(9) as pool:
-            started = [threading.Event() for _ in range(9)]
-            short = pool.submit(stream_events, url, {**LONG, "max_tokens": 8}, started[0])
-            longs = [pool.submit(stream_events, url, {**LONG, "max_tokens": 480}, e)
-                     for e in started[1:]]
-            for event in started:
-                assert event.wait(30)
+            started = threading.Event()
+            short = pool.submit(stream_events, url, {**LONG, "max_tokens": 8}, started)
+            assert started.wait(30)
+            longs = [pool.submit(stream_events, url, {**LONG, "max_tokens": 480})
+                     for _ in range(8)]
+            wait_until(lambda: _gauge(url, "fulcrum:num_requests_waiting") >= 7, 30, "queued")
             process.send_signal(signal.SIGTERM)
             wait_until(lambda: httpx.get(url + "/health").status_code == 503, 5, "draining")
             refused = httpx.post(url + "/v1/completions", json={"prompt": "x"})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+            assert refused.headers["retry-after"] == "1"
             assert finish(short.result(30)) == ("length", 8)
-            for future in longs:
-                reason, chunks = finish(future.result(30))
-                assert reason == "abort" and chunks < 480
+            ends = [finish(future.result(30)) for future in longs]
         assert process.wait(30) == 0
+        assert all(reason in ("length", "abort") for reason, _ in ends)
+        aborted = [chunks for reason, chunks in ends if reason == "abort"]
+        assert len(aborted) >= 6 and all(chunks < 480 for chunks in aborted)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
 
 
 def test_engine_death_fails_clients_and_serve_returns_one(llama_dir):
