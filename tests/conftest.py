@@ -3,7 +3,10 @@ transformers (the reference implementation) and saved as local model folders."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import pytest
 import torch
@@ -103,3 +106,26 @@ def hf_greedy(model_dir: Path, prompt_ids: list, max_new_tokens: int) -> list:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+@contextlib.contextmanager
+def running_server(model_dir, name: str = "m", app_kwargs: Optional[Dict[str, Any]] = None,
+                   **engine_args: Any) -> Iterator[Tuple[Any, Any]]:
+    """(server, async_llm): an engine on `model_dir` behind the OpenAI app on a loopback
+    port, shut down on leaving."""
+    from fulcrum.async_engine import AsyncLLM
+    from fulcrum.server import BackgroundServer, build_app
+
+    async_llm = AsyncLLM.from_engine_args(model=str(model_dir), **engine_args)
+    try:
+        with BackgroundServer(build_app(async_llm, name, **(app_kwargs or {}))) as server:
+            yield server, async_llm
+    finally:
+        async_llm.shutdown()
+
+
+def free_port() -> int:
+    """A loopback port free right now (for servers started in another process)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -9,25 +9,17 @@ import json
 import httpx
 import pytest
 
-from fulcrum.async_engine import AsyncLLM
+from conftest import running_server
 from fulcrum.bench.stress import (DISCONNECT, KEPT, STALL, RoundReport, StressConfig,
                                   format_table, parse_metrics, plan_round, problems, run_stress)
 from fulcrum.cli import main
-from fulcrum.server import BackgroundServer, build_app
 
 MODEL = "stories"
 
 
 @pytest.fixture(scope="module")
-def async_llm(stories_dir):
-    llm = AsyncLLM.from_engine_args(model=str(stories_dir), num_gpu_blocks_override=1024)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(async_llm):
-    with BackgroundServer(build_app(async_llm, MODEL)) as background:
+def server(stories_dir):
+    with running_server(stories_dir, MODEL, num_gpu_blocks_override=1024) as (background, _):
         yield background
 
 

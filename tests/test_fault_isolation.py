@@ -9,12 +9,11 @@ import json
 import httpx
 import pytest
 
+from conftest import running_server
 from fulcrum import LLM, SamplingParams
-from fulcrum.async_engine import AsyncLLM
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.sampler import Sampler
-from fulcrum.server import BackgroundServer, build_app
 from test_bad_input import assert_all_blocks_free, run_to_completion
 
 PROMPTS = {"a": list(range(1, 30)), "b": [5, 6, 7, 8, 9, 10], "c": list(range(40, 75))}
@@ -148,10 +147,8 @@ def test_failed_forward_fails_its_step_and_leaves_no_uncomputed_named_block(llm,
 # ------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=256)
-    with BackgroundServer(build_app(async_llm, "m")) as background:
-        yield background, async_llm
-    async_llm.shutdown()
+    with running_server(llama_dir, num_gpu_blocks_override=256) as pair:
+        yield pair
 
 
 def test_server_fails_one_request_and_serves_the_others(server, monkeypatch):

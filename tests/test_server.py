@@ -11,9 +11,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import running_server
 from fulcrum import LLM, SamplingParams
 from fulcrum.async_engine import AsyncLLM
-from fulcrum.server import BackgroundServer, build_app
 
 MODEL = "tiny-llama"
 API_KEY = "sesame"
@@ -23,16 +23,19 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def async_llm(llama_dir):
-    llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=1024)
-    yield llm
-    llm.shutdown()
+def served(llama_dir):
+    with running_server(llama_dir, MODEL, num_gpu_blocks_override=1024) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def server(async_llm):
-    with BackgroundServer(build_app(async_llm, MODEL)) as background:
-        yield background
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def async_llm(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +250,8 @@ def test_openai_client_raises_on_errors(client):
 
 
 def test_api_key(llama_dir):
-    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=64)
-    with BackgroundServer(build_app(async_llm, MODEL, api_key=API_KEY)) as server:
+    with running_server(llama_dir, MODEL, {"api_key": API_KEY},
+                        num_gpu_blocks_override=64) as (server, _):
         url = server.url + "/v1/models"
         assert httpx.get(url).status_code == 401
         wrong = httpx.get(url, headers={"Authorization": "Bearer nope"})
@@ -260,7 +263,6 @@ def test_api_key(llama_dir):
                           max_retries=0).completions.create(model=MODEL, prompt="x")
         good = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
-    async_llm.shutdown()
 
 
 # -------------------------------------------------------- load and disconnects

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from conftest import free_port
 from fulcrum import LLM, SamplingParams
 from fulcrum.async_engine import AsyncLLM, StepReport
 from fulcrum.server.cli import register, served_model_name
@@ -141,14 +141,8 @@ sys.exit(args.func(args))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_serve_command_runs_a_server(llama_dir):
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-c", LAUNCH, "serve", str(llama_dir), "--port", str(port),
                "--served-model-name", "cli-model", "--num-gpu-blocks-override", "64",
                "--uvicorn-log-level", "warning"]

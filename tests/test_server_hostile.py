@@ -33,8 +33,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fulcrum.async_engine import AsyncLLM
-from fulcrum.server import BackgroundServer, build_app
+from conftest import running_server
 from test_server import wait_idle
 
 MODEL = "stories"
@@ -63,17 +62,20 @@ def model_dir(stories_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def async_llm(model_dir, one_torch_thread):
-    llm = AsyncLLM.from_engine_args(model=str(model_dir), max_model_len=MAX_MODEL_LEN,
-                                    num_gpu_blocks_override=64)
-    yield llm
-    llm.shutdown()
+def served(model_dir, one_torch_thread):
+    with running_server(model_dir, MODEL, max_model_len=MAX_MODEL_LEN,
+                        num_gpu_blocks_override=64) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def server(async_llm):
-    with BackgroundServer(build_app(async_llm, MODEL)) as background:
-        yield background
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def async_llm(served):
+    return served[1]
 
 
 # ---------------------------------------------------------------------- the corpus

@@ -8,7 +8,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +15,10 @@ import time
 from typing import List
 
 import httpx
-import pytest
 
+from conftest import free_port, running_server
 from fulcrum.async_engine import AsyncLLM
-from fulcrum.server import BackgroundServer, build_app
+from fulcrum.server import build_app
 from fulcrum.server.api_server import serve
 from fulcrum.server.cli import api_keys
 from fulcrum.cli import build_parser
@@ -57,33 +56,28 @@ def finish(events: List[dict]) -> tuple:
 
 # ------------------------------------------------------------------ queue limit
 def test_queue_limit_answers_503_with_retry_after(llama_dir):
-    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir), max_num_seqs=1,
-                                          max_queued_requests=2)
-    try:
-        with BackgroundServer(build_app(async_llm, "m")) as server, \
-                concurrent.futures.ThreadPoolExecutor(3) as pool:
-            running = threading.Event()
-            futures = [pool.submit(stream_events, server.url, LONG, running)]
-            running.wait(30)
-            futures += [pool.submit(stream_events, server.url, LONG) for _ in range(2)]
-            wait_until(lambda: async_llm.num_queued == 2, what="two queued requests")
-            response = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
-            assert response.status_code == 503
-            assert response.headers["retry-after"] == "1"
-            error = response.json()["error"]
-            assert error["code"] == 503 and "max_queued_requests=2" in error["message"]
-            # A request that could never be queued is a client error, not a retry.
-            too_many = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 3})
-            assert too_many.status_code == 400 and "max_queued_requests" in too_many.text
-            assert httpx.get(server.url + "/health").status_code == 200
-            for future in futures:
-                assert finish(future.result(60)) == ("length", 400)
-            wait_until(lambda: async_llm.is_idle, what="idle")
-            accepted = httpx.post(server.url + "/v1/completions", json={"prompt": "x",
-                                                                        "max_tokens": 2})
-            assert accepted.status_code == 200
-    finally:
-        async_llm.shutdown()
+    with running_server(llama_dir, max_num_seqs=1, max_queued_requests=2) as (server, llm), \
+            concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = threading.Event()
+        futures = [pool.submit(stream_events, server.url, LONG, running)]
+        running.wait(30)
+        futures += [pool.submit(stream_events, server.url, LONG) for _ in range(2)]
+        wait_until(lambda: llm.num_queued == 2, what="two queued requests")
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["code"] == 503 and "max_queued_requests=2" in error["message"]
+        # A request that could never be queued is a client error, not a retry.
+        too_many = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 3})
+        assert too_many.status_code == 400 and "max_queued_requests" in too_many.text
+        assert httpx.get(server.url + "/health").status_code == 200
+        for future in futures:
+            assert finish(future.result(60)) == ("length", 400)
+        wait_until(lambda: llm.is_idle, what="idle")
+        accepted = httpx.post(server.url + "/v1/completions", json={"prompt": "x",
+                                                                    "max_tokens": 2})
+        assert accepted.status_code == 200
 
 
 # --------------------------------------------------------------------- API keys
@@ -94,25 +88,15 @@ def test_several_api_keys_from_flags_or_environment(llama_dir, monkeypatch):
     assert api_keys(parse(["serve", "--api-key", "a", "--api-key", "b"])) == ["a", "b"]
     monkeypatch.delenv("FULCRUM_API_KEY")
     assert api_keys(parse(["serve"])) == []
-    async_llm = AsyncLLM.from_engine_args(model=str(llama_dir))
-    try:
-        with BackgroundServer(build_app(async_llm, "m", api_key=["a", "b"])) as server:
-            def status(key):
-                headers = {"Authorization": f"Bearer {key}"} if key else {}
-                return httpx.get(server.url + "/v1/models", headers=headers).status_code
-            assert [status(k) for k in ("a", "b", "c", "", "ab")] == [200, 200, 401, 401, 401]
-            assert httpx.get(server.url + "/health").status_code == 200  # open without a key
-    finally:
-        async_llm.shutdown()
+    with running_server(llama_dir, app_kwargs={"api_key": ["a", "b"]}) as (server, _):
+        def status(key):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(server.url + "/v1/models", headers=headers).status_code
+        assert [status(k) for k in ("a", "b", "c", "", "ab")] == [200, 200, 401, 401, 401]
+        assert httpx.get(server.url + "/health").status_code == 200  # open without a key
 
 
 # ------------------------------------------------------------------- shutdown
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
