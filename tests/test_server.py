@@ -357,3 +357,44 @@ def test_metrics_count_the_requests(server, client, async_llm):
         assert after[(f"fulcrum:{gauge}", None)] == 0
     assert 0 <= after[("fulcrum:prefix_cache_hit_rate", None)] <= 1
     assert after[("fulcrum:engine_loop_busy_seconds_total", None)] > 0
+
+
+# ------------------------------------------------------------------- cache salts
+def test_cache_salt_partitions_the_prefix_cache(client):
+    prompt = "The same long prompt, shared by tenants. " * 4
+
+    def cached(salt=None):
+        extra = {"cache_salt": salt} if salt else {}
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                             extra_body=extra)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    first = cached("tenant-a")
+    assert first == 0
+    assert cached("tenant-b") == 0  # same prompt, other tenant: nothing shared
+    hit = cached("tenant-a")
+    assert hit > 0 and hit % 16 == 0  # whole blocks of the same tenant
+    assert cached() == 0 and cached() == hit  # no salt is a tenant of its own
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                          extra_body={"cache_salt": "tenant-c"})
+    again = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                           extra_body={"cache_salt": "tenant-c"})
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_dir):
+    with running_server(llama_dir, MODEL, {"trust_request_chat_template": True}) as (server, _):
+        url = server.url + "/v1/chat/completions"
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        ok = httpx.post(url, json={"messages": CHAT, "chat_template": template,
+                                   "max_tokens": 1})
+        assert ok.status_code == 200
+        assert ok.json()["usage"]["prompt_tokens"] == len("Be brief.Hi there!")
+        bad = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
+                                    "chat_template": "{{ raise_exception('no way') }}"})
+        assert bad.status_code == 400 and "no way" in bad.json()["error"]["message"]
+        sandboxed = httpx.post(url, json={"messages": CHAT, "max_tokens": 1, "chat_template":
+                                          "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+        assert sandboxed.status_code == 400
+        assert "unsafe" in sandboxed.json()["error"]["message"]

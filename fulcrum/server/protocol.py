@@ -186,10 +186,15 @@ class DetokenizeRequest(BaseModel):
 
 
 # ------------------------------------------------------------------ responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class CompletionLogprobs(BaseModel):

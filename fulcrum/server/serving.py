@@ -28,7 +28,8 @@ from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                      ChatResponseMessage, ChatStreamChoice, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     DeltaMessage, ErrorInfo, ErrorResponse, SamplingRequest,
+                                     DeltaMessage, ErrorInfo, ErrorResponse,
+                                     PromptTokensDetails, SamplingRequest,
                                      TokenLogprob, TopLogprob, UsageInfo)
 
 T = TypeVar("T")
@@ -109,8 +110,10 @@ class _Generation:
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
         self.choices = [_Choice(i * n + j, prefix=text if echo and text else "")
                         for i, (text, _) in enumerate(prompts) for j in range(n)]
+        self.cached_tokens = [0] * len(prompts)  # prompt tokens found in the prefix cache
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
         for completion in output.outputs:
             choice = self.choices[prompt_index * self.n + completion.index]
             yield choice, choice.add(completion)
@@ -123,7 +126,9 @@ class _Generation:
     def usage(self) -> UsageInfo:
         completion = sum(len(c.token_ids) for c in self.choices)
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+                         total_tokens=self.prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self.cached_tokens)))
 
 
 def _legacy_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
