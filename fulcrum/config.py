@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+SchedulingPolicy = Literal["slo", "fcfs", "priority"]
 BatchingMode = Literal["continuous", "static"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
 
@@ -47,7 +47,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: Optional[int] = None
     max_num_partial_prefills: Optional[int] = None
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "slo"
+    # Latency targets (milliseconds) for requests that set none; None: derived from the
+    # measured step time (see LLMEngine.slo_defaults).
+    slo_ttft_ms: Optional[float] = None
+    slo_tpot_ms: Optional[float] = None
     batching_mode: BatchingMode = "continuous"
     # KV cache.
     block_size: int = 16
@@ -82,9 +86,14 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in ("slo", "fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'slo', 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
+                raise ValueError(f"{name} must be a positive number of milliseconds, "
+                                 f"got {value!r}")
         if self.batching_mode not in ("continuous", "static"):
             raise ValueError(
                 f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")
@@ -121,12 +130,18 @@ class EngineConfig:
         threshold = self.long_prefill_token_threshold
         partial = self.max_num_partial_prefills
         if threshold is None:
-            threshold = max(1, budget // DEFAULT_CHUNK_FRACTION) if chunked else 0
+            # The slo policy sizes chunks by predicted step time instead of a fixed cap.
+            fixed = chunked and self.scheduling_policy != "slo"
+            threshold = max(1, budget // DEFAULT_CHUNK_FRACTION) if fixed else 0
         elif threshold == 0 and (partial or 1) > 1:
             threshold = max(1, int(max_model_len * AUTO_LONG_PREFILL_FRACTION))  # vLLM's rule
         if partial is None:
-            # As many prompts part-way through prefill as their chunks fill a step.
-            partial = max(1, budget // threshold) if threshold else 1
+            # As many prompts part-way through prefill as their chunks fill a step; under
+            # slo, chunks shrink to fit the step's time, so any prompt may be one.
+            if self.scheduling_policy == "slo" and chunked and not threshold:
+                partial = max_num_seqs
+            else:
+                partial = max(1, budget // threshold) if threshold else 1
         return dataclasses.replace(
             self, max_model_len=max_model_len, max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,

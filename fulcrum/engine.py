@@ -25,10 +25,11 @@ from fulcrum.models import model_class
 from fulcrum.model_runner import ModelRunner
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
-from fulcrum.request import Request, RequestStatus
+from fulcrum.request import Request, RequestStatus, SloTargets
 from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from fulcrum.scheduler import Scheduler
 from fulcrum.stats import StepStats
+from fulcrum.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class LLMEngine:
                                     self.kv_cache_dtype, self.device, backend)
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.step_time = StepTimeModel()
+        self.scheduler = Scheduler(self.config, self.block_manager, self.step_time)
         self.runner = ModelRunner(model, caches, self.config.block_size, self.device,
                                   config.seed, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -80,10 +82,60 @@ class LLMEngine:
         self._aborted_children: List[str] = []
         self._step_counter = itertools.count()
         self._request_counter = itertools.count()
+        self.slo_defaults = SloTargets()
+        if self.config.scheduling_policy == "slo":
+            self._profile_step_time()
+        self.slo_defaults = self._resolve_slo_defaults()
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(**kwargs))
+
+    # ---------------------------------------------------------- step-time model
+    def _profile_step_time(self) -> None:
+        """Seed the step-time model with a few real steps: a full-budget prompt, a batch of
+        short ones, their decodes. Run twice, learning from the second run only (the first
+        pays for one-time costs: allocations, kernel builds); then the engine is as new."""
+        for _ in range(2):
+            self.step_time.reset()
+            for request_id, prompt, max_tokens in self._profile_requests():
+                self.add_request(request_id, {"prompt_token_ids": prompt},
+                                 SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
+        self.stats.clear()
+        self._step_counter = itertools.count()
+        self.scheduler.reset_counters()
+        self.block_manager.reset_prefix_cache()
+
+    def _profile_requests(self) -> List[tuple]:
+        config = self.config
+        long_len = max(1, min(config.max_num_batched_tokens, config.max_model_len - 2))
+        short_len = max(1, min(16, config.max_model_len - 3))
+        count = max(1, min(8, config.max_num_seqs - 1, config.max_num_batched_tokens // short_len))
+        ids = itertools.count(1)
+        tokens = lambda n: [next(ids) % self.vocab_size for _ in range(n)]  # noqa: E731
+        return ([("fulcrum-profile-long", tokens(long_len), 2)]
+                + [(f"fulcrum-profile-{i}", tokens(short_len), 3) for i in range(count)])
+
+    def _resolve_slo_defaults(self) -> SloTargets:
+        """The targets of requests that set none: the configured ones, else derived from the
+        predicted time of a full-budget prompt step, `full`: TTFT 4 x full (a request
+        arriving behind a long prompt gets its first token within a few steps), TPOT
+        full / 2 (a decode waits at most half a full step of prompt work a token)."""
+        config = self.config
+        full = self.step_time.prefill_seconds(0, config.max_num_batched_tokens)
+        derived = SloTargets(4 * full, full / 2) if full > 0 else SloTargets()
+        return SloTargets(
+            config.slo_ttft_ms / 1e3 if config.slo_ttft_ms is not None else derived.ttft_s,
+            config.slo_tpot_ms / 1e3 if config.slo_tpot_ms is not None else derived.tpot_s)
+
+    def slo_targets(self, params: SamplingParams) -> SloTargets:
+        defaults = self.slo_defaults
+        return SloTargets(
+            params.slo_ttft_ms / 1e3 if params.slo_ttft_ms is not None else defaults.ttft_s,
+            params.slo_tpot_ms / 1e3 if params.slo_tpot_ms is not None else defaults.tpot_s)
 
     # ---------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple:
@@ -186,11 +238,13 @@ class LLMEngine:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
+        targets = self.slo_targets(params)
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
-            children.append(Request(child_id, token_ids, child_params,
-                                    self.tokenizer.eos_token_ids, text, priority, arrival,
-                                    max_tokens, salt))
+            child = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
+                            text, priority, arrival, max_tokens, salt)
+            child.metrics.slo = targets
+            children.append(child)
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -219,6 +273,7 @@ class LLMEngine:
         start_wall = time.monotonic()
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        predicted = self.step_time.predict(scheduled.shape)
         try:
             sampled, failed = self.runner.execute(scheduled)
         except Exception as error:  # noqa: BLE001 - the step never happened; see _fail
@@ -234,7 +289,9 @@ class LLMEngine:
         self._aborted_children = []
         outputs, failed_outputs = self.output_processor.make_outputs(touched)
         self.scheduler.finish_requests(failed_outputs, RequestStatus.FINISHED_ERROR)
-        self._record_stats(scheduled, start_wall, time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        self.step_time.update(scheduled.shape, wall)
+        self._record_stats(scheduled, start_wall, wall, predicted)
         return outputs
 
     def _fail(self, failed: Dict[str, str]) -> None:
@@ -247,10 +304,11 @@ class LLMEngine:
             self.scheduler.finish_requests([r.request_id for r in siblings],
                                            RequestStatus.FINISHED_ERROR)
 
-    def _record_stats(self, scheduled, start_wall: float, wall: float) -> None:
+    def _record_stats(self, scheduled, start_wall: float, wall: float, predicted: float) -> None:
         sched = self.scheduler.stats()
         self.stats.append(StepStats(
             step=next(self._step_counter), start_time=start_wall, wall_seconds=wall,
+            predicted_seconds=predicted,
             forward_seconds=self.runner.last_forward_seconds if not scheduled.is_empty else 0.0,
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,

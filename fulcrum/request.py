@@ -8,6 +8,7 @@ request is one whose computed count went back to zero. There is no separate phas
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Set
@@ -35,11 +36,21 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
+@dataclass(frozen=True)
+class SloTargets:
+    """A request's latency targets in seconds: time to first token, time per output token."""
+
+    ttft_s: float = math.inf
+    tpot_s: float = math.inf
+
+
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.monotonic seconds) and counters of one request's life."""
+    """Timestamps (time.monotonic seconds) and counters of one request's life, and the
+    latency targets it was scheduled for."""
 
     arrival_time: float
+    slo: SloTargets = field(default_factory=SloTargets)
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
@@ -87,6 +98,10 @@ class Request:
         if not self.sampling_params.ignore_eos:
             stop_ids |= self.eos_token_ids
         self.stop_token_ids = stop_ids
+
+    @property
+    def slo(self) -> SloTargets:
+        return self.metrics.slo
 
     @property
     def num_tokens(self) -> int:

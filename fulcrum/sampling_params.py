@@ -47,6 +47,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Latency targets of this request (milliseconds); None: the engine's.
+    slo_ttft_ms: Optional[float] = None
+    slo_tpot_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +100,11 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             fail("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not 0 < value < 1e9):
+                fail(name, "must be a positive number of milliseconds")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings, more than the "
                              f"{MAX_STOP_STRINGS} allowed")

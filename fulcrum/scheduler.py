@@ -13,13 +13,14 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.request import Request, RequestStatus
 from fulcrum.sampler import SampledToken, SamplingRow
-from fulcrum.scheduling_policy import make_policy
+from fulcrum.scheduling_policy import FixedChunkLimit, PrefillLimit, make_policy
+from fulcrum.step_time_model import StepShape, StepTimeModel
 
 
 @dataclass
@@ -50,6 +51,7 @@ class SchedulerOutput:
     preempted_request_ids: List[str]
     # Requests that ended since the last step, so the runner can drop their per-request state.
     finished_request_ids: List[str]
+    shape: StepShape = field(default_factory=StepShape)  # what the step-time model reads
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +81,7 @@ class _StepPlan:
     tokens: Dict[Request, int] = field(default_factory=dict)
     preempted: List[Request] = field(default_factory=list)
     partial: Set[Request] = field(default_factory=set)
+    limit: PrefillLimit = field(default_factory=lambda: FixedChunkLimit(0))
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.tokens[request] = num_tokens
@@ -90,10 +93,16 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    """`step_time` is the engine's step-time model (the slo policy reads it); `clock` gives
+    the time decisions are taken at (tests pass a simulated one)."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 step_time: Optional[StepTimeModel] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = block_manager
-        self.policy = make_policy(config.scheduling_policy)
+        self.clock = clock
+        self.policy = make_policy(config, clock, step_time)
         self.static = config.batching_mode == "static"
         self.chunked_prefill = config.enable_chunked_prefill and not self.static
         self.requests: Dict[str, Request] = {}
@@ -124,8 +133,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_counters(self) -> None:
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
+        self.policy.begin_step()
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         may_admit = not self.static or not self.running
         self._schedule_decodes(plan)
@@ -142,12 +157,17 @@ class Scheduler:
                 plan.add(request, 1)
 
     def _schedule_prefills(self, plan: _StepPlan, may_admit: bool) -> None:
+        decodes = [r for r in plan.tokens]
+        shape = StepShape()
+        for request in decodes:
+            shape.add_decode(request.num_computed_tokens + 1)
+        plan.limit = self.policy.prefill_limit(shape, decodes, self.chunked_prefill)
         plan.partial = {r for r in self.running if r.in_prefill}
         candidates = [r for r in self.running if r.in_prefill]
         if may_admit:
             candidates += self.waiting
         admitting = may_admit
-        for request in self._in_order(candidates):
+        for request in self.policy.prefill_order(candidates):
             if plan.budget < 1:
                 break
             if request in plan.preempted:
@@ -158,10 +178,12 @@ class Scheduler:
                 admitting = self._admit(request, plan)
 
     def _continue_prefill(self, request: Request, plan: _StepPlan) -> None:
-        remaining = request.num_tokens - request.num_computed_tokens
-        num_new = self._chunk_size(remaining, plan.budget)
-        if self._allocate(request, num_new, plan):
+        start = request.num_computed_tokens
+        remaining = request.num_tokens - start
+        num_new = self._chunk_size(request, start, remaining, plan)
+        if num_new > 0 and self._allocate(request, num_new, plan):
             plan.add(request, num_new)
+            plan.limit.add(request, start, num_new)
             if num_new == remaining:
                 plan.partial.discard(request)
 
@@ -176,7 +198,9 @@ class Scheduler:
         while True:
             computed = self.kv.admission_hits(request, victims)
             remaining = request.num_tokens - computed.num_tokens
-            num_new = self._chunk_size(remaining, plan.budget)
+            num_new = self._chunk_size(request, computed.num_tokens, remaining, plan)
+            if num_new < 1:
+                return False  # the step has no room left for prompts
             if num_new < remaining:
                 if not self.chunked_prefill:
                     return False  # the whole prompt must wait for a step with room for it
@@ -197,8 +221,8 @@ class Scheduler:
             # computed yet (and of blocks held by requests dropped along with them).
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
-            num_new = self._chunk_size(remaining, plan.budget)
-            if num_new < remaining and not self.chunked_prefill:
+            num_new = self._chunk_size(request, computed.num_tokens, remaining, plan)
+            if num_new < 1 or (num_new < remaining and not self.chunked_prefill):
                 return False
         if not self.kv.allocate_slots(request, num_new, computed):
             return False  # more hits were dropped than weighed; try again next step
@@ -207,22 +231,20 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = computed.num_tokens
         if request.metrics.first_scheduled_time is None:
-            request.metrics.first_scheduled_time = time.monotonic()
+            request.metrics.first_scheduled_time = self.clock()
             request.metrics.num_cached_tokens = computed.num_tokens
         if self.kv.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += computed.num_tokens
         plan.add(request, num_new)
+        plan.limit.add(request, computed.num_tokens, num_new)
         if num_new < remaining:
             plan.partial.add(request)
         return True
 
-    def _chunk_size(self, remaining: int, budget: int) -> int:
-        num_new = remaining
-        threshold = self.config.long_prefill_token_threshold
-        if self.chunked_prefill and threshold > 0:
-            num_new = min(num_new, threshold)
-        return min(num_new, budget)
+    @staticmethod
+    def _chunk_size(request: Request, start: int, remaining: int, plan: _StepPlan) -> int:
+        return min(plan.limit.cap(request, start, remaining), plan.budget)
 
     # -------------------------------------------------------------- preemption
     def _allocate(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
@@ -263,10 +285,14 @@ class Scheduler:
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         chunks = []
         num_decode = 0
+        shape = StepShape()
         for request, num_new in plan.tokens.items():
             start = request.num_computed_tokens
             if request.num_tokens - start == 1:
                 num_decode += 1
+                shape.add_decode(start + 1)
+            else:
+                shape.add_prefill(start, num_new)
             chunks.append(ScheduledChunk(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids[start:start + num_new],
@@ -278,7 +304,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         total = sum(plan.tokens.values())
         return SchedulerOutput(chunks, total - num_decode, num_decode,
-                               [r.request_id for r in plan.preempted], finished)
+                               [r.request_id for r in plan.preempted], finished, shape)
 
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:
@@ -288,7 +314,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Dict[str, SampledToken]) -> List[Request]:
         """Advance computed counts, append sampled tokens; return requests that just ended."""
-        now = time.monotonic()
+        now = self.clock()
         finished = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
@@ -322,7 +348,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = status
-        request.metrics.finished_time = time.monotonic()
+        request.metrics.finished_time = self.clock()
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

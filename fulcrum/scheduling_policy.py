@@ -1,18 +1,97 @@
-"""Which request goes first: small policy objects the scheduler consults for order and victims."""
+"""Which request goes first, and how much prompt a step may carry: small policy objects the
+scheduler consults.
+
+A policy orders requests (the smallest key is served first and preempted last), says whether
+a waiting request may displace a running one, orders the prompts that want prefill tokens,
+and at the start of each step's prefills hands the scheduler a `PrefillLimit`, which caps
+each prompt's chunk. `fcfs` and `priority` cap chunks at a fixed size
+(`long_prefill_token_threshold`); `slo` caps the whole step's predicted time instead.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from fulcrum.config import EngineConfig
 from fulcrum.request import Request
+from fulcrum.step_time_model import StepShape, StepTimeModel
 
 SortKey = Tuple
+# priority: a waiting request gains one priority level for every this many seconds it waits.
+PRIORITY_AGING_S = 10.0
+# slo: a request that would miss its TTFT target anyway yields to those that can still make
+# theirs, until it has waited this many times its target; then it goes first.
+SLO_AGING_FACTOR = 2.0
+# slo: an aged prompt gets at least this many tokens a step, even past the step-time cap.
+SLO_AGED_MIN_CHUNK = 16
+
+
+class PrefillLimit:
+    """Caps the prompt chunks of one step: `cap` is the most tokens a chunk of `request`
+    starting at `start` may have (up to `wanted`); `add` records the chunk taken."""
+
+    def cap(self, request: Request, start: int, wanted: int) -> int:
+        return wanted
+
+    def add(self, request: Request, start: int, num_tokens: int) -> None:
+        pass
+
+
+class FixedChunkLimit(PrefillLimit):
+    """At most `threshold` tokens of one prompt a step (0: no cap)."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def cap(self, request: Request, start: int, wanted: int) -> int:
+        return min(wanted, self.threshold) if self.threshold > 0 else wanted
+
+
+class StepTimeLimit(PrefillLimit):
+    """Prompt chunks while the step's predicted time stays within `seconds`; prompts that
+    have waited past their aging bound get a minimum chunk regardless, so none starves."""
+
+    def __init__(self, model: StepTimeModel, shape: StepShape, seconds: float,
+                 is_aged: Callable[[Request], bool], threshold: int = 0) -> None:
+        self.model = model
+        self.shape = shape
+        self.seconds = seconds
+        self.is_aged = is_aged
+        self.threshold = threshold  # an explicit long_prefill_token_threshold still caps
+
+    def cap(self, request: Request, start: int, wanted: int) -> int:
+        if self.threshold > 0:
+            wanted = min(wanted, self.threshold)
+        floor = min(wanted, SLO_AGED_MIN_CHUNK) if self.is_aged(request) else 0
+        if math.isinf(self.seconds):
+            return wanted
+        fits = lambda n: self.model.predict(self.shape.with_prefill(start, n)) <= self.seconds  # noqa: E731
+        if fits(wanted):
+            return wanted
+        low, high = 0, wanted  # fits(low) holds (or low is 0), fits(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return max(low, floor)
+
+    def add(self, request: Request, start: int, num_tokens: int) -> None:
+        self.shape.add_prefill(start, num_tokens)
 
 
 class SchedulingPolicy:
-    """Orders requests; the smallest key is served first and preempted last."""
+    """First come, first served by default; subclasses change the order or the limits."""
 
     name = "base"
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.now = clock()
+
+    def begin_step(self) -> None:
+        """Fix the time the step's decisions are taken at."""
+        self.now = self.clock()
 
     def key(self, request: Request) -> SortKey:
         raise NotImplementedError
@@ -20,6 +99,14 @@ class SchedulingPolicy:
     def may_preempt_for(self, candidate: Request, victim: Request) -> bool:
         """Whether admitting `candidate` justifies evicting the running `victim`."""
         return False
+
+    def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
+        return sorted(candidates, key=self.key)
+
+    def prefill_limit(self, shape: StepShape, decodes: Sequence[Request],
+                      chunked: bool) -> PrefillLimit:
+        """The limit for this step's prompt chunks, given the decodes already in it."""
+        return FixedChunkLimit(self.config.long_prefill_token_threshold if chunked else 0)
 
 
 class FcfsPolicy(SchedulingPolicy):
@@ -33,26 +120,81 @@ class FcfsPolicy(SchedulingPolicy):
 
 class PriorityPolicy(SchedulingPolicy):
     """Lower `priority` value first, then arrival. A waiting request may preempt a running one
-    of strictly worse priority when the batch or the KV cache is full."""
+    of strictly worse priority when the batch or the KV cache is full. Aging: every
+    PRIORITY_AGING_S seconds since its arrival lowers a request's value by one, so a request
+    of any priority is served within a bounded time however many better ones keep coming."""
 
     name = "priority"
 
+    def effective_priority(self, request: Request) -> int:
+        return request.priority - int((self.now - request.arrival_time) // PRIORITY_AGING_S)
+
     def key(self, request: Request) -> SortKey:
-        return (request.priority, request.arrival_time, request.request_id)
+        return (self.effective_priority(request), request.arrival_time, request.request_id)
 
     def may_preempt_for(self, candidate: Request, victim: Request) -> bool:
-        return candidate.priority < victim.priority
+        return self.effective_priority(candidate) < self.effective_priority(victim)
 
 
-POLICIES: Dict[str, Callable[[], SchedulingPolicy]] = {
+class SloPolicy(FcfsPolicy):
+    """Meet each request's latency targets (TTFT and TPOT) step by step.
+
+    Decodes come first, as in every policy. Prompt tokens then fill the step only while its
+    predicted time stays within the tightest TPOT target among the decodes it carries, so a
+    long prompt shares steps with decodes without stretching their time per token; with no
+    decode in the step there is no cap but the token budget, so a lone long prompt gets
+    whole steps. Prompts go least slack first: slack is the time left to the TTFT deadline
+    (arrival + target) minus the predicted time of the prompt's remaining prefill. A prompt
+    that cannot make its deadline anyway yields to those that still can, rather than making
+    them miss too, until it has waited SLO_AGING_FACTOR times its target (bounded aging).
+    """
+
+    name = "slo"
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float],
+                 model: StepTimeModel) -> None:
+        super().__init__(config, clock)
+        self.model = model
+
+    def is_aged(self, request: Request) -> bool:
+        return self.now - request.arrival_time > SLO_AGING_FACTOR * request.slo.ttft_s
+
+    def slack(self, request: Request) -> float:
+        start = request.num_computed_tokens
+        prefill = self.model.prefill_seconds(start, request.num_tokens - start)
+        return request.arrival_time + request.slo.ttft_s - self.now - prefill
+
+    def urgency(self, request: Request) -> SortKey:
+        # A request resuming after a preemption is stalled mid-answer: it goes first.
+        if request.metrics.first_token_time is not None or self.is_aged(request):
+            return (0, -math.inf, request.arrival_time)
+        slack = self.slack(request)
+        return (1 if slack < 0 else 0, slack, request.arrival_time)
+
+    def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
+        return sorted(candidates, key=self.urgency)
+
+    def prefill_limit(self, shape: StepShape, decodes: Sequence[Request],
+                      chunked: bool) -> PrefillLimit:
+        if not chunked:
+            return PrefillLimit()  # whole prompts only: a cap would only make them wait
+        seconds = min((r.slo.tpot_s for r in decodes), default=math.inf)
+        return StepTimeLimit(self.model, shape, seconds, self.is_aged,
+                             self.config.long_prefill_token_threshold)
+
+
+POLICIES: Dict[str, Callable[..., SchedulingPolicy]] = {
     "fcfs": FcfsPolicy,
     "priority": PriorityPolicy,
+    "slo": SloPolicy,
 }
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling_policy {name!r}; choose from {sorted(POLICIES)}") \
-            from None
+def make_policy(config: EngineConfig, clock: Callable[[], float],
+                model: Optional[StepTimeModel] = None) -> SchedulingPolicy:
+    name = config.scheduling_policy
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling_policy {name!r}; choose from {sorted(POLICIES)}")
+    if name == "slo":
+        return SloPolicy(config, clock, model if model is not None else StepTimeModel())
+    return POLICIES[name](config, clock)

@@ -11,6 +11,7 @@ class StepStats:
     step: int
     start_time: float  # time.monotonic()
     wall_seconds: float  # the whole step: schedule, prepare, forward, sample, detokenise
+    predicted_seconds: float  # what the step-time model expected wall_seconds to be
     forward_seconds: float  # the model's forward pass and logits alone
     num_prefill_tokens: int
     num_decode_tokens: int

@@ -20,15 +20,19 @@ SAMPLED_TOKEN = 1  # never a stop token here: requests end by max_tokens
 
 
 class Sim:
-    """A scheduler plus the checks that must hold at every step."""
+    """A scheduler plus the checks that must hold at every step, on a simulated clock that
+    moves `tick` seconds with every arrival and step (the fixed-budget policies by default)."""
 
     def __init__(self, num_blocks: int = 200, block_size: int = 4, prefix_caching: bool = True,
-                 model_max_len: int = MODEL_MAX_LEN, **config) -> None:
+                 model_max_len: int = MODEL_MAX_LEN, step_time=None, tick: float = 1e-3,
+                 **config) -> None:
         config.setdefault("long_prefill_token_threshold", 0)  # vLLM's meaning: no cap
+        config.setdefault("scheduling_policy", "fcfs")
         self.config = EngineConfig(block_size=block_size, **config).resolve(model_max_len)
         self.kv = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(self.config, self.kv)
-        self.clock = itertools.count()
+        self.now = 0.0
+        self.tick = tick
+        self.sched = Scheduler(self.config, self.kv, step_time, clock=lambda: self.now)
         self.all: Dict[str, Request] = {}
         self.finished: List[str] = []
         self.history: List[SchedulerOutput] = []
@@ -39,10 +43,11 @@ class Sim:
         prompt = tokens if tokens is not None else [(seed + i) % 250 for i in range(prompt_len)]
         request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens,
                                                              ignore_eos=True),
-                          priority=priority, arrival_time=float(next(self.clock)),
+                          priority=priority, arrival_time=self.now,
                           max_tokens=max_tokens)
         self.all[request_id] = request
         self.sched.add_request(request)
+        self.now += self.tick
         return request
 
     def schedule(self) -> SchedulerOutput:
@@ -81,6 +86,7 @@ class Sim:
     def step(self) -> SchedulerOutput:
         out = self.schedule()
         self.update(out)
+        self.now += self.tick
         return out
 
     def run(self, max_steps: int = 2000) -> None:
@@ -199,10 +205,11 @@ def test_auto_threshold_with_several_partial_prefills():
 
 
 def test_default_chunk_is_an_eighth_of_the_budget_and_partial_chunks_fill_a_step():
-    config = EngineConfig().resolve(1000)
+    assert EngineConfig().resolve(1000).long_prefill_token_threshold == 0  # slo: no fixed cap
+    config = EngineConfig(scheduling_policy="fcfs").resolve(1000)
     assert config.long_prefill_token_threshold == 64
     assert config.max_num_partial_prefills == 8
-    small = EngineConfig(max_num_batched_tokens=100).resolve(1000)
+    small = EngineConfig(max_num_batched_tokens=100, scheduling_policy="fcfs").resolve(1000)
     assert (small.long_prefill_token_threshold, small.max_num_partial_prefills) == (12, 8)
     whole = EngineConfig(enable_chunked_prefill=False).resolve(1000)
     assert (whole.long_prefill_token_threshold, whole.max_num_partial_prefills) == (0, 1)
@@ -210,6 +217,8 @@ def test_default_chunk_is_an_eighth_of_the_budget_and_partial_chunks_fill_a_step
     assert explicit.resolve(1000).max_num_partial_prefills == 2
     assert EngineConfig(long_prefill_token_threshold=128).resolve(1000) \
         .max_num_partial_prefills == 4
+    slo = EngineConfig(max_num_seqs=32).resolve(1000)
+    assert (slo.long_prefill_token_threshold, slo.max_num_partial_prefills) == (0, 32)
 
 
 def test_default_schedule_fills_steps_with_chunks_of_many_prompts():

@@ -398,3 +398,15 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
                                           "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
         assert sandboxed.status_code == 400
         assert "unsafe" in sandboxed.json()["error"]["message"]
+
+
+def test_stream_events_stay_one_line_whatever_the_text():
+    """U+2028, U+2029 and U+0085 are legal raw in JSON strings, but str.splitlines() (used by
+    SSE clients such as httpx's and the openai SDK's) breaks lines at them."""
+    from fulcrum.server.protocol import CompletionChoice
+    from fulcrum.server.serving import _sse
+
+    text = "a\u2028b\x85c\u2029d\ne"
+    event = _sse(CompletionChoice(index=0, text=text))
+    assert event.endswith("\n\n") and len(event.splitlines()) == 2  # the data line, the blank
+    assert json.loads(event.splitlines()[0][len("data: "):])["text"] == text

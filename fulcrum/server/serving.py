@@ -188,8 +188,13 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[Tu
         await asyncio.gather(*pending, return_exceptions=True)
 
 
+# JSON leaves these raw inside strings, but str.splitlines() (which some SSE clients use to
+# split events into lines, httpx's and the openai SDK's among them) breaks lines at them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {payload.model_dump_json().translate(_LINE_BREAKS)}\n\n"
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

@@ -1,0 +1,115 @@
+"""How long a step will take, learned online from the engine's own steps.
+
+A step's time is close to linear in a few counts (Sarathi-Serve's and Niyama's deadline
+schedulers use the same shape, with coefficients profiled offline): a fixed cost per step,
+a cost per prefill token and per decode token (the weights' matrix work), a cost per unit of
+attention work (a prefill chunk of c tokens after s cached ones attends c * (s + c / 2)
+keys; a decode attends its whole context) and a cost per sequence. fulcrum fits the
+coefficients by recursive least squares with forgetting, so they follow the machine as it
+is now (a noisy neighbour, a warmer cache) rather than as it was at start-up; a short profile
+of real steps at start-up seeds them (see `LLMEngine._profile_step_time`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import numpy as np
+
+# Per-feature scales, so that every column of the regression is of order one.
+_SCALES = np.array([1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1e-2])
+
+
+@dataclass
+class StepShape:
+    """What a step computes, in the counts the time model reads."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_attention: float = 0.0  # sum over chunks of c * (start + c / 2)
+    decode_context: int = 0  # sum of the decodes' context lengths
+    num_seqs: int = 0
+
+    def add_prefill(self, start: int, num_tokens: int) -> None:
+        self.prefill_tokens += num_tokens
+        self.prefill_attention += num_tokens * (start + num_tokens / 2)
+        self.num_seqs += 1
+
+    def add_decode(self, context: int) -> None:
+        self.decode_tokens += 1
+        self.decode_context += context
+        self.num_seqs += 1
+
+    def with_prefill(self, start: int, num_tokens: int) -> "StepShape":
+        shape = StepShape(self.prefill_tokens, self.decode_tokens, self.prefill_attention,
+                          self.decode_context, self.num_seqs)
+        shape.add_prefill(start, num_tokens)
+        return shape
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attention,
+                         self.decode_context, self.num_seqs]) * _SCALES
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_seqs == 0
+
+
+class StepTimeModel:
+    """Recursive least squares over `StepShape` features; times in seconds.
+
+    `forgetting` < 1 weighs recent steps more: with 0.98 the fit is dominated by about the last
+    fifty steps. Until it has seen a step the model predicts zero.
+    """
+
+    def __init__(self, forgetting: float = 0.98, prior: float = 1e3) -> None:
+        self.forgetting = forgetting
+        self.prior = prior
+        self.reset()
+
+    def reset(self) -> None:
+        size = len(_SCALES)
+        self.theta = np.zeros(size)
+        self.covariance = np.eye(size) * self.prior
+        self.num_updates = 0
+        self.last_error = 0.0  # actual - predicted, of the last step seen
+        # The coefficients per unscaled feature as floats: predictions run in the scheduler,
+        # several per step, and plain arithmetic is ten times cheaper than numpy there.
+        self.coefficients: Tuple[float, ...] = (0.0,) * size
+
+    def predict(self, shape: StepShape) -> float:
+        if shape.is_empty:
+            return 0.0
+        c = self.coefficients
+        return max(c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens
+                   + c[3] * shape.prefill_attention + c[4] * shape.decode_context
+                   + c[5] * shape.num_seqs, 0.0)
+
+    def prefill_seconds(self, start: int, num_tokens: int) -> float:
+        """Predicted time of a step that computes only this prompt chunk."""
+        c = self.coefficients
+        return max(c[0] + c[1] * num_tokens + c[3] * num_tokens * (start + num_tokens / 2)
+                   + c[5], 0.0)
+
+    def update(self, shape: StepShape, seconds: float) -> None:
+        if shape.is_empty:
+            return
+        x = shape.features()
+        self.last_error = seconds - float(self.theta @ x)
+        px = self.covariance @ x
+        gain = px / (self.forgetting + x @ px)
+        self.theta = self.theta + gain * self.last_error
+        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        # Steps that all look alike (a steady decode batch) leave some directions unexcited,
+        # and forgetting would inflate their variance without bound ("wind-up").
+        trace = float(np.trace(self.covariance))
+        if trace > self.prior * len(_SCALES):
+            self.covariance *= self.prior * len(_SCALES) / trace
+        self.coefficients = tuple(float(v) for v in self.theta * _SCALES)
+        self.num_updates += 1
+
+    def fit(self, shapes: List[StepShape], seconds: List[float]) -> None:
+        """Seed the model with observed steps (the start-up profile)."""
+        for shape, actual in zip(shapes, seconds):
+            self.update(shape, actual)
