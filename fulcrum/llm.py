@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -31,11 +32,18 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True,
-                 priority: Optional[Sequence[int]] = None) -> List[RequestOutput]:
-        """Outputs in the order of `prompts`. Every prompt is checked before any is queued."""
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 slo_ttft_ms: Optional[float] = None,
+                 slo_tpot_ms: Optional[float] = None) -> List[RequestOutput]:
+        """Outputs in the order of `prompts`. Every prompt is checked before any is queued.
+        `slo_ttft_ms` / `slo_tpot_ms` set the latency targets of every prompt (overriding
+        those of its SamplingParams)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        targets = {k: v for k, v in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms))
+                   if v is not None}
+        if targets:
+            params_list = [dataclasses.replace(p, **targets) for p in params_list]
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine

@@ -283,6 +283,8 @@ def _range_cases() -> list:
         ("n-above-max", "n", 129), ("n-million", "n", 1000000), ("n-4000-digits", "n", HUGE_INT),
         ("seed-2-64-plus-1", "seed", 2**64 + 1), ("seed-below-int64", "seed", -2**63 - 1),
         ("seed-4000-digits", "seed", HUGE_INT),
+        ("slo-ttft-zero", "slo_ttft_ms", 0), ("slo-ttft-nan", "slo_ttft_ms", NAN),
+        ("slo-tpot-negative", "slo_tpot_ms", -5), ("slo-tpot-inf", "slo_tpot_ms", INF),
     ]
     cases = [c for case_id, name, value in out_of_range
              for c in both(case_id, name, **{name: value})]
@@ -466,6 +468,7 @@ BOUNDARY = [
     ("stop-string-1024-chars", CHAT, dict(stop=["a" * 1024]), 1),
     ("stop-token-ids-1024", COMPLETIONS, dict(stop_token_ids=[VOCAB - 1] * 1024), 1),
     ("prompt-ids-last-id", COMPLETIONS, dict(prompt=[0, VOCAB - 1]), 1),
+    ("slo-targets", CHAT, dict(slo_ttft_ms=0.5, slo_tpot_ms=1e8), 1),
     # As in vLLM: an empty string is one token once the tokenizer adds BOS.
     ("prompt-empty-string-is-bos", COMPLETIONS, dict(prompt=["a", ""]), 2),
     ("prompt-plus-max-tokens-equals-max-model-len", COMPLETIONS,

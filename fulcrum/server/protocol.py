@@ -48,6 +48,9 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared within a salt
+    # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.
+    slo_ttft_ms: Optional[float] = None
+    slo_tpot_ms: Optional[float] = None
 
     def unsupported(self) -> Optional[str]:
         """Why this request cannot be served as asked, if it cannot."""
@@ -59,7 +62,8 @@ class SamplingRequest(BaseModel):
                            logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; raises ValueError on out-of-range values."""
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                    "slo_ttft_ms": self.slo_ttft_ms, "slo_tpot_ms": self.slo_tpot_ms}
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, max_tokens=max_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -1,0 +1,99 @@
+"""The step-time model learns a step's cost from observed steps, follows a machine that
+changes speed, and stays sane after long runs of identical steps."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fulcrum.step_time_model import StepShape, StepTimeModel
+
+# A plausible CPU: 4 ms a step, 0.9 ms a prompt token, 0.2 ms a decode token, attention
+# work and sequences on top.
+TRUE = (4e-3, 0.9e-3, 0.2e-3, 2e-7, 1e-6, 1e-4)
+
+
+def truth(shape: StepShape, scale: float = 1.0) -> float:
+    c = TRUE
+    return scale * (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens
+                    + c[3] * shape.prefill_attention + c[4] * shape.decode_context
+                    + c[5] * shape.num_seqs)
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    shape = StepShape()
+    for _ in range(rng.randint(0, 40)):
+        shape.add_decode(rng.randint(10, 800))
+    for _ in range(rng.randint(0 if shape.decode_tokens else 1, 3)):
+        shape.add_prefill(rng.randint(0, 1500), rng.randint(1, 300))
+    return shape
+
+
+def test_empty_steps_cost_nothing_and_teach_nothing():
+    model = StepTimeModel()
+    model.update(StepShape(), 1.0)
+    assert model.num_updates == 0 and model.predict(StepShape()) == 0.0
+
+
+def test_learns_the_coefficients_of_a_linear_cost():
+    rng = random.Random(0)
+    model = StepTimeModel()
+    for _ in range(300):
+        shape = random_shape(rng)
+        model.update(shape, truth(shape))
+    # Decode tokens and sequences move together in most steps, so only their sum per decode
+    # is pinned down quickly; every other coefficient is.
+    learned = model.coefficients
+    for i in (0, 1, 3, 4):
+        assert learned[i] == pytest.approx(TRUE[i], rel=1e-3)
+    assert learned[2] + learned[5] == pytest.approx(TRUE[2] + TRUE[5], rel=1e-3)
+    for _ in range(50):
+        shape = random_shape(rng)
+        assert model.predict(shape) == pytest.approx(truth(shape), rel=5e-3)
+        prefill_only = StepShape().with_prefill(100, 200)
+        assert model.prefill_seconds(100, 200) == pytest.approx(model.predict(prefill_only))
+
+
+def test_noisy_steps_still_give_predictions_within_a_few_percent():
+    rng = random.Random(1)
+    model = StepTimeModel()
+    for _ in range(500):
+        shape = random_shape(rng)
+        model.update(shape, truth(shape) * (1 + rng.gauss(0, 0.05)))
+    errors = []
+    for _ in range(200):
+        shape = random_shape(rng)
+        errors.append(abs(model.predict(shape) - truth(shape)) / truth(shape))
+    assert np.median(errors) < 0.03
+
+
+def test_follows_a_machine_that_slows_down():
+    rng = random.Random(2)
+    model = StepTimeModel()
+    for _ in range(200):
+        shape = random_shape(rng)
+        model.update(shape, truth(shape))
+    for _ in range(300):  # a noisy neighbour halves the speed
+        shape = random_shape(rng)
+        model.update(shape, truth(shape, 2.0))
+    for _ in range(20):
+        shape = random_shape(rng)
+        assert model.predict(shape) == pytest.approx(truth(shape, 2.0), rel=0.02)
+
+
+def test_no_wind_up_after_many_identical_steps():
+    rng = random.Random(3)
+    model = StepTimeModel()
+    for _ in range(200):
+        shape = random_shape(rng)
+        model.update(shape, truth(shape))
+    steady = StepShape()
+    for _ in range(32):
+        steady.add_decode(300)
+    for _ in range(5000):  # a long steady decode phase excites one direction only
+        model.update(steady, truth(steady))
+    assert np.trace(model.covariance) <= model.prior * len(model.theta) * 1.0001
+    prompt = StepShape().with_prefill(0, 512)
+    assert model.predict(prompt) == pytest.approx(truth(prompt), rel=0.05)
