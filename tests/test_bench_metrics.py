@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
 from fulcrum.bench.arrivals import arrival_offsets, schedule
 from fulcrum.bench.datasets import jsonl_requests, mixed_requests, random_requests
-from fulcrum.bench.metrics import RequestTimeline, compute_report, report_by_group
+from fulcrum.bench.metrics import RequestTimeline, compute_report, format_report, \
+    meets_slo, parse_goodput, report_by_group
 from fulcrum.bench.sweep import pareto_front, parse_grid
 
 
@@ -57,7 +59,133 @@ def test_goodput_counts_requests_meeting_every_slo():
     tpot_only = compute_report(_timelines(), 2.0, {"tpot_ms": 80})
     assert tpot_only["goodput"] == pytest.approx(1.0)  # a 1-token request has TPOT 0
     with pytest.raises(ValueError, match="unknown SLO"):
-        compute_report(_timelines(), 2.0, {"ttft": 1})
+        compute_report(_timelines(), 2.0, {"itl": 1})
+
+
+# Hand-made requests whose latencies are exact in binary, so targets can sit on the boundary.
+# (send, prompt, output tokens, chunk times): TTFT / TPOT / E2EL in ms
+def _goodput_timelines():
+    return [
+        RequestTimeline(0.0, 8, 3, [0.25, 0.5, 0.75], group="a"),  # 250 / 250 / 750
+        RequestTimeline(0.0, 8, 1, [0.5], group="a"),  # 500 / none (counts 0) / 500
+        RequestTimeline(0.0, 8, 4, [], group="b", success=False, error="HTTP 503"),
+        RequestTimeline(1.0, 8, 5, [1.125, 1.25, 1.375, 1.5, 2.125], group="b"),  # 125/250/1125
+    ]
+
+
+def _goodput(targets):
+    return compute_report(_goodput_timelines(), 4.0, targets)
+
+
+def test_goodput_targets_are_inclusive_and_every_one_must_hold():
+    report = _goodput({"ttft": 250, "tpot": 250})
+    assert report["slo"] == {"ttft": 250.0, "tpot": 250.0}
+    assert report["good_requests"] == 2  # the first (on both boundaries) and the last
+    assert report["goodput"] == 0.5  # good requests / duration
+    assert report["goodput_share"] == 0.5  # of all 4 requests sent, the failed one included
+    assert report["slo_attainment"] == {"ttft": 0.5, "tpot": 0.75}
+    just_below = _goodput({"ttft": 249.999, "tpot": 250})
+    assert just_below["good_requests"] == 1 and just_below["slo_attainment"]["ttft"] == 0.25
+    assert _goodput({"ttft": 250, "tpot": 249.999})["good_requests"] == 0
+    assert [meets_slo(t, {"ttft": 250, "tpot": 250}) for t in _goodput_timelines()
+            if t.completed] == [True, False, True]
+
+
+def test_goodput_tpot_divides_by_tokens_minus_one():
+    # TPOTs are 250 ms: (E2EL - TTFT) / (tokens - 1); over all tokens they would be 166.7 and
+    # 200, and both would meet 200
+    report = _goodput({"tpot": 200})
+    assert report["good_requests"] == 1  # the single-token request alone
+    assert _goodput({"tpot": 0})["good_requests"] == 1  # a single token counts as TPOT 0
+    assert _goodput({"tpot": 250})["good_requests"] == 3
+
+
+def test_goodput_e2el_and_legacy_keys():
+    assert _goodput({"e2el": 750})["good_requests"] == 2
+    assert _goodput({"e2el": 1125})["good_requests"] == 3  # the failed request never counts
+    assert _goodput({"ttft_ms": 250, "tpot_ms": 250}) == _goodput({"ttft": 250, "tpot": 250})
+    with pytest.raises(ValueError, match="twice"):
+        _goodput({"ttft": 250, "ttft_ms": 250})
+
+
+def test_goodput_per_group_and_in_the_table():
+    reports = report_by_group(_goodput_timelines(), 4.0, {"ttft": 250, "tpot": 250})
+    assert reports["a"]["good_requests"] == 1 and reports["a"]["goodput_share"] == 0.5
+    assert reports["b"]["good_requests"] == 1 and reports["b"]["goodput_share"] == 0.5
+    assert reports["b"]["goodput"] == 0.25
+    table = format_report({"all": reports["all"]}).splitlines()
+    assert "Goodput targets (ms)" in table[9] and table[9].endswith("ttft:250 tpot:250")
+    assert table[10].startswith("Request goodput (req/s)") and table[10].endswith(" 0.50")
+    assert table[11].startswith("Good requests") and table[11].endswith(" 2")
+    assert table[12].startswith("Within all targets (%)") and table[12].endswith(" 50.00")
+    assert table[13].startswith("Within TTFT target (%)") and table[13].endswith(" 50.00")
+    assert table[14].startswith("Within TPOT target (%)") and table[14].endswith(" 75.00")
+
+
+def test_parse_goodput_vllm_syntax():
+    assert parse_goodput(["ttft:1000", "tpot:100", "e2el:2500.5"]) == {
+        "ttft": 1000.0, "tpot": 100.0, "e2el": 2500.5}
+    assert parse_goodput(["tpot:0"]) == {"tpot": 0.0}
+    assert parse_goodput(["ttft_ms=1000", "tpot_ms=100"], alias=True) == {
+        "ttft": 1000.0, "tpot": 100.0}
+
+
+@pytest.mark.parametrize("items, words", [
+    (["ttft=500"], "no ':'"),  # the --slo spelling given to --goodput
+    (["ttft 500"], "no ':'"),
+    (["TTFT:500"], "unknown target 'TTFT'"),
+    (["ttft_ms:500"], "unknown target 'ttft_ms'"),
+    (["itl:5"], "unknown target 'itl'"),
+    (["ttft:"], "is not a number"),
+    (["ttft:500ms"], "is not a number"),
+    (["ttft:-1"], "non-negative"),
+    (["ttft:nan"], "finite"),
+    (["ttft:inf"], "finite"),
+    (["ttft:500", "ttft:600"], "already given"),
+])
+def test_parse_goodput_refuses_bad_items(items, words):
+    with pytest.raises(ValueError, match=re.escape(words)) as caught:
+        parse_goodput(items)
+    assert repr(items[-1]) in str(caught.value)  # names the offending item
+    if "unknown" in words:
+        assert "ttft, tpot, e2el" in str(caught.value)
+
+
+def test_parse_slo_alias_refuses_bad_items():
+    with pytest.raises(ValueError, match="no '='"):
+        parse_goodput(["ttft_ms:500"], alias=True)
+    with pytest.raises(ValueError, match="unknown target 'ttft'"):
+        parse_goodput(["ttft=500"], alias=True)
+
+
+def _serve_args(*flags):
+    from fulcrum.cli import build_parser
+
+    return build_parser().parse_args(["bench", "serve", *flags])
+
+
+def test_cli_goodput_flag_and_slo_alias():
+    assert _serve_args().goodput == {}
+    assert _serve_args("--goodput", "ttft:1000", "tpot:100").goodput == {
+        "ttft": 1000.0, "tpot": 100.0}
+    assert _serve_args("--slo", "ttft_ms=1000", "tpot_ms=100").goodput == {
+        "ttft": 1000.0, "tpot": 100.0}
+    assert _serve_args("--goodput", "ttft:1000", "--slo", "e2el_ms=9").goodput == {
+        "ttft": 1000.0, "e2el": 9.0}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--goodput", "ttft=1000"], "bad --goodput item 'ttft=1000'"),
+    (["--goodput", "ttft:fast"], "bad --goodput item 'ttft:fast'"),
+    (["--slo", "ttft:1000"], "bad --slo item 'ttft:1000'"),
+    (["--goodput", "ttft:1", "--slo", "ttft_ms=2"], "a ttft target is already given"),
+    (["--goodput"], "expected at least one argument"),
+])
+def test_cli_goodput_errors_are_usage_errors(flags, words, capsys):
+    with pytest.raises(SystemExit) as caught:
+        _serve_args(*flags)
+    assert caught.value.code == 2
+    assert words in capsys.readouterr().err
 
 
 def test_groups_are_reported_apart_over_the_same_duration():

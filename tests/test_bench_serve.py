@@ -70,7 +70,7 @@ def test_bench_serve_end_to_end(live_server, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "fulcrum", "bench", "serve", "--base-url", live_server,
          "--num-prompts", "4", "--input-len", "16", "--output-len", "5", "--request-rate", "20",
-         "--slo", "ttft_ms=60000", "tpot_ms=60000", "--save-result", str(result),
+         "--goodput", "ttft:60000", "tpot:60000", "--save-result", str(result),
          "--disable-tqdm"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Mean TTFT (ms)" in run.stdout
@@ -78,4 +78,8 @@ def test_bench_serve_end_to_end(live_server, tmp_path):
     assert report["completed"] == 4 and report["failed"] == 0
     assert report["total_input_tokens"] == 4 * 16 and report["total_output_tokens"] == 4 * 5
     assert report["goodput"] == pytest.approx(report["request_throughput"])
+    assert report["slo"] == {"ttft": 60000.0, "tpot": 60000.0}
+    assert report["good_requests"] == 4 and report["goodput_share"] == 1.0
+    assert report["slo_attainment"] == {"ttft": 1.0, "tpot": 1.0}
+    assert "Request goodput (req/s)" in run.stdout and "Within all targets (%)" in run.stdout
     assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["p99"] > 0

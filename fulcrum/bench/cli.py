@@ -11,11 +11,11 @@ import importlib.metadata
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 from fulcrum.bench.arrivals import add_arrival_args, build_schedule
 from fulcrum.bench.datasets import add_dataset_args, build_requests
-from fulcrum.bench.metrics import SLO_KEYS, format_report, report_by_group
+from fulcrum.bench.metrics import GOODPUT_KEYS, format_report, parse_goodput, report_by_group
 from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
@@ -46,8 +46,15 @@ def _register_serve(commands) -> None:
                                         "that /v1/models lists)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="most requests in flight; later arrivals wait for a slot")
-    parser.add_argument("--slo", nargs="*", default=[], metavar="KEY=MS",
-                        help=f"goodput SLOs, keys {', '.join(SLO_KEYS)}")
+    parser.add_argument("--goodput", nargs="+", action=GoodputAction, default={},
+                        metavar="KEY:MS",
+                        help="report goodput: requests meeting every given target, per second, "
+                             "and their share (vLLM's flag and syntax); KEY is "
+                             f"{', '.join(GOODPUT_KEYS)}, MS the target in milliseconds, "
+                             "e.g. --goodput ttft:1000 tpot:100")
+    parser.add_argument("--slo", nargs="+", action=GoodputAction, dest="goodput",
+                        metavar="KEY_ms=MS", help="the same targets in the older spelling "
+                                                  "(ttft_ms=1000 tpot_ms=100)")
     parser.add_argument("--save-result", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(parser)
@@ -143,14 +150,20 @@ def _register_stress(commands) -> None:
     parser.set_defaults(func=run_stress)
 
 
-def parse_slo(items: List[str]) -> Dict[str, float]:
-    slo = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key not in SLO_KEYS or not value:
-            raise ValueError(f"bad --slo {item!r}: use KEY=MS with KEY in {', '.join(SLO_KEYS)}")
-        slo[key] = float(value)
-    return slo
+class GoodputAction(argparse.Action):
+    """`--goodput ttft:MS ...` and its alias `--slo ttft_ms=MS ...`: both fill one dict of
+    targets in milliseconds ({"ttft": 1000.0, ...}); a bad item is a usage error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            targets = parse_goodput(values, alias=option_string == "--slo")
+        except ValueError as error:
+            parser.error(str(error))
+        merged = dict(getattr(namespace, self.dest) or {})
+        twice = sorted(set(merged) & set(targets))
+        if twice:
+            parser.error(f"{option_string}: a {twice[0]} target is already given")
+        setattr(namespace, self.dest, {**merged, **targets})
 
 
 def _write_json(path: str, content: Dict[str, Any]) -> None:
@@ -161,7 +174,6 @@ def _write_json(path: str, content: Dict[str, Any]) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from fulcrum.bench.serve import make_client, run_load, served_model
 
-    slo = parse_slo(args.slo)
     timed = build_schedule(build_requests(args), args)
 
     async def main() -> Tuple[str, list, float]:
@@ -173,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return model, timelines, duration
 
     model, timelines, duration = asyncio.run(main())
-    reports = report_by_group(timelines, duration, slo)
+    reports = report_by_group(timelines, duration, args.goodput)
     print(format_report(reports))
     errors = [t.error for t in timelines if not t.completed]
     if errors:

@@ -15,12 +15,40 @@ files) come from prometheus_client's ProcessCollector.
 Latencies come from the engine's request timestamps where they are set once (arrival,
 first scheduled, first token, finished) and otherwise from the report's step time, which is
 when the step's tokens left the engine.
+
+Latency targets (SLOs) and the per-step budget, fulcrum's own (vLLM has no equivalent except
+`vllm:iteration_tokens_total`, kept here under its name):
+
+- `fulcrum:request_slo_total{target, result}`: counter of finished requests, `target` one of
+  `ttft`, `tpot`, `all` (both), `result` `met` or `missed`. Each request that finished with
+  reason `stop` or `length` (not `abort` or `error`) adds 1 to each target's `met` or
+  `missed`, judged against the targets it was scheduled for (`RequestMetrics.slo`: its own
+  `slo_ttft_ms`/`slo_tpot_ms`, else the engine's defaults). TTFT is met when
+  first token - arrival <= the TTFT target; TPOT (vLLM's definition) when
+  (last token - first token) / (output tokens - 1) <= the TPOT target, and always for a
+  request of one output token; an infinite target is always met. A request with n > 1
+  completions is judged by its first completion (whose timestamps its output carries).
+  Attainment = met / (met + missed) per target.
+- `fulcrum:slo_ttft_target_seconds`, `fulcrum:slo_tpot_target_seconds`: gauges, the
+  engine's default targets now (`LLMEngine.slo_defaults`; +Inf when there is none).
+- Per engine step (every step the engine takes, empty ones included, one observation each):
+  histograms `fulcrum:iteration_prefill_tokens` and `fulcrum:iteration_decode_tokens` (the
+  step's budget split: prompt tokens computed, decode tokens computed),
+  `fulcrum:iteration_tokens_total` (their sum, vLLM's), `fulcrum:step_time_seconds` (the
+  step's measured wall time) and `fulcrum:step_time_predicted_seconds` (what the step-time
+  model expected before running it), and gauges `fulcrum:last_step_prefill_tokens`,
+  `fulcrum:last_step_decode_tokens`, `fulcrum:last_step_time_seconds`,
+  `fulcrum:last_step_time_predicted_seconds` of the latest step. Mean split and mean step
+  time over a window come from the histograms' `_sum / _count` rates.
+- `fulcrum:step_time_prediction_error_ratio`: histogram of |actual - predicted| / actual per
+  step that computed something (an empty step has no prediction to judge).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator
+from typing import Dict, Iterable, Iterator, Tuple
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
@@ -29,6 +57,7 @@ from prometheus_client.registry import Collector
 
 from fulcrum.async_engine import AsyncLLM, StepReport
 from fulcrum.outputs import RequestOutput
+from fulcrum.request import RequestMetrics
 from fulcrum.stats import StepStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -36,6 +65,37 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+PREDICTION_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+SLO_TARGETS = ("ttft", "tpot", "all")
+SLO_RESULTS = ("met", "missed")
+SLO_FINISH_REASONS = ("stop", "length")  # requests that ran their course
+
+
+def token_buckets(max_num_batched_tokens: int) -> Tuple[int, ...]:
+    """1, 2, 4, ... below the step budget, then the budget itself (as vLLM's
+    iteration_tokens_total, whose buckets end at max_num_batched_tokens)."""
+    buckets, size = [], 1
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets) + (max_num_batched_tokens,)
+
+
+def slo_results(metrics: RequestMetrics, num_output_tokens: int) -> Dict[str, bool]:
+    """{"ttft", "tpot", "all": met?} of a finished request against `metrics.slo`."""
+    targets = metrics.slo
+    ttft = metrics.time_to_first_token
+    ttft_met = math.isinf(targets.ttft_s) or (ttft is not None and ttft <= targets.ttft_s)
+    if math.isinf(targets.tpot_s) or num_output_tokens <= 1:
+        tpot_met = True
+    elif metrics.first_token_time is None or metrics.last_token_time is None:
+        tpot_met = False
+    else:
+        tpot = (metrics.last_token_time - metrics.first_token_time) / (num_output_tokens - 1)
+        tpot_met = tpot <= targets.tpot_s
+    return {"ttft": ttft_met, "tpot": tpot_met, "all": ttft_met and tpot_met}
 
 
 @dataclass
@@ -108,6 +168,21 @@ class ServerMetrics:
                                           "kept only for the prefix cache count as free)")
         self.hit_rate = self._gauge("fulcrum:prefix_cache_hit_rate",
                                     "Share of looked-up prompt tokens found in the prefix cache")
+        self.slo_ttft_target = self._gauge("fulcrum:slo_ttft_target_seconds",
+                                           "The engine's default time-to-first-token target "
+                                           "(requests may set their own)")
+        self.slo_tpot_target = self._gauge("fulcrum:slo_tpot_target_seconds",
+                                           "The engine's default time-per-output-token target "
+                                           "(requests may set their own)")
+        self.last_prefill_tokens = self._gauge("fulcrum:last_step_prefill_tokens",
+                                               "Prompt tokens computed by the latest step")
+        self.last_decode_tokens = self._gauge("fulcrum:last_step_decode_tokens",
+                                              "Decode tokens computed by the latest step")
+        self.last_step_time = self._gauge("fulcrum:last_step_time_seconds",
+                                          "Measured wall time of the latest step")
+        self.last_step_predicted = self._gauge("fulcrum:last_step_time_predicted_seconds",
+                                               "Step-time model's prediction for the latest step")
+        self._refresh_slo_targets()
 
     def _define_counters(self) -> None:
         self.finished = Counter("fulcrum:request_success", "Finished requests by finish reason",
@@ -121,6 +196,13 @@ class ServerMetrics:
                                            "Prompt tokens looked up in the prefix cache")
         self.cache_hits = self._counter("fulcrum:prefix_cache_hits",
                                         "Prompt tokens found in the prefix cache")
+        self.slo = Counter("fulcrum:request_slo",
+                           "Requests finished with reason stop or length, by whether they met "
+                           "their latency target (target: ttft, tpot, or all = both)",
+                           list(self._labels) + ["target", "result"], registry=self.registry)
+        self._slo_children = {(target, result): self.slo.labels(target=target, result=result,
+                                                                **self._labels)
+                              for target in SLO_TARGETS for result in SLO_RESULTS}
 
     def _define_histograms(self) -> None:
         self.ttft = self._histogram("fulcrum:time_to_first_token_seconds",
@@ -135,6 +217,25 @@ class ServerMetrics:
                                    "Arrival to finish", LATENCY_BUCKETS)
         self.queue_time = self._histogram("fulcrum:request_queue_time_seconds",
                                           "Arrival to first scheduled", LATENCY_BUCKETS)
+        tokens = token_buckets(self._async_llm.config.max_num_batched_tokens)
+        self.step_prefill_tokens = self._histogram("fulcrum:iteration_prefill_tokens",
+                                                   "Prompt tokens computed per engine step",
+                                                   tokens)
+        self.step_decode_tokens = self._histogram("fulcrum:iteration_decode_tokens",
+                                                  "Decode tokens computed per engine step",
+                                                  tokens)
+        self.step_tokens = self._histogram("fulcrum:iteration_tokens_total",
+                                           "Tokens (prompt + decode) computed per engine step",
+                                           tokens)
+        self.step_time = self._histogram("fulcrum:step_time_seconds",
+                                         "Measured wall time of each engine step",
+                                         STEP_TIME_BUCKETS)
+        self.step_predicted = self._histogram("fulcrum:step_time_predicted_seconds",
+                                              "Step time the step-time model predicted for "
+                                              "each engine step", STEP_TIME_BUCKETS)
+        self.step_error = self._histogram("fulcrum:step_time_prediction_error_ratio",
+                                          "|actual - predicted| / actual step time, per step "
+                                          "that computed tokens", PREDICTION_ERROR_BUCKETS)
 
     # ------------------------------------------------------------- updates
     def record(self, report: StepReport) -> None:
@@ -158,6 +259,22 @@ class ServerMetrics:
         if stats.prefix_cache_queries:
             self.hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         self._last_stats = stats
+        self._record_budget(stats)
+
+    def _record_budget(self, stats: StepStats) -> None:
+        prefill, decode = stats.num_prefill_tokens, stats.num_decode_tokens
+        self.step_prefill_tokens.observe(prefill)
+        self.step_decode_tokens.observe(decode)
+        self.step_tokens.observe(prefill + decode)
+        self.step_time.observe(stats.wall_seconds)
+        self.step_predicted.observe(stats.predicted_seconds)
+        self.last_prefill_tokens.set(prefill)
+        self.last_decode_tokens.set(decode)
+        self.last_step_time.set(stats.wall_seconds)
+        self.last_step_predicted.set(stats.predicted_seconds)
+        if prefill + decode > 0 and stats.wall_seconds > 0:
+            self.step_error.observe(abs(stats.wall_seconds - stats.predicted_seconds)
+                                    / stats.wall_seconds)
 
     def _record_output(self, output: RequestOutput, now: float) -> None:
         progress = self._progress.get(output.request_id)
@@ -195,6 +312,10 @@ class ServerMetrics:
         longest = max(progress.tokens.values(), default=0)
         if metrics.first_token_time is not None and longest > 1:
             self.tpot.observe((progress.last_time - metrics.first_token_time) / (longest - 1))
+        if reason in SLO_FINISH_REASONS:
+            # `metrics` are the first completion's (index 0): judge by its token count.
+            for target, met in slo_results(metrics, progress.tokens.get(0, 0)).items():
+                self._slo_children[(target, "met" if met else "missed")].inc()
 
     def refresh_state(self) -> None:
         """Set the queue and KV-cache gauges from the scheduler as it stands now.
@@ -211,6 +332,13 @@ class ServerMetrics:
         self.preempted.set(stats.num_preempted_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_blocks_used.set(stats.kv_blocks_used)
+        self._refresh_slo_targets()
+
+    def _refresh_slo_targets(self) -> None:
+        defaults = getattr(self._async_llm.engine, "slo_defaults", None)
+        if defaults is not None:
+            self.slo_ttft_target.set(defaults.ttft_s)
+            self.slo_tpot_target.set(defaults.tpot_s)
 
     def render(self) -> bytes:
         self.refresh_state()
