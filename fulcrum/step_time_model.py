@@ -19,6 +19,12 @@ import numpy as np
 
 # Per-feature scales, so that every column of the regression is of order one.
 _SCALES = np.array([1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1e-2])
+# Once warm, a step's surprise counts at most this share of its prediction (plus a little):
+# one stalled step (a page-fault storm, a neighbour's burst) must not teach the model that
+# every step is slow, while a lasting change still comes through over a few dozen steps.
+_WARM_UPDATES = 16
+_MAX_SURPRISE = 0.5
+_MIN_SURPRISE_S = 2e-3
 
 
 @dataclass
@@ -96,10 +102,14 @@ class StepTimeModel:
         if shape.is_empty:
             return
         x = shape.features()
-        self.last_error = seconds - float(self.theta @ x)
+        predicted = float(self.theta @ x)
+        self.last_error = error = seconds - predicted
+        if self.num_updates >= _WARM_UPDATES:
+            bound = _MAX_SURPRISE * max(predicted, 0.0) + _MIN_SURPRISE_S
+            error = min(max(error, -bound), bound)
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * self.last_error
+        self.theta = self.theta + gain * error
         self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
         # Steps that all look alike (a steady decode batch) leave some directions unexcited,
         # and forgetting would inflate their variance without bound ("wind-up").

@@ -97,3 +97,17 @@ def test_no_wind_up_after_many_identical_steps():
     assert np.trace(model.covariance) <= model.prior * len(model.theta) * 1.0001
     prompt = StepShape().with_prefill(0, 512)
     assert model.predict(prompt) == pytest.approx(truth(prompt), rel=0.05)
+
+
+def test_one_stalled_step_barely_moves_the_model():
+    rng = random.Random(4)
+    model = StepTimeModel()
+    for _ in range(200):
+        shape = random_shape(rng)
+        model.update(shape, truth(shape))
+    stalled = random_shape(rng)
+    model.update(stalled, 50 * truth(stalled))  # a 50x outlier: a GC pause, a page storm
+    assert model.last_error == pytest.approx(49 * truth(stalled), rel=0.01)
+    for _ in range(20):
+        shape = random_shape(rng)
+        assert model.predict(shape) == pytest.approx(truth(shape), rel=0.25)
