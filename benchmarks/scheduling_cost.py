@@ -81,7 +81,7 @@ def fitted_step_time_model(seed: int = 0, num_shapes: int = 300) -> StepTimeMode
     for _ in range(num_shapes):
         shape = StepShape()
         for _ in range(rng.choice([0, 0, 1, 2, 4])):
-            shape.add_prefill(rng.randrange(0, 2000), rng.randrange(1, 512))
+            shape.add_chunk(rng.randrange(0, 2000), rng.randrange(1, 512))
         for _ in range(rng.randrange(0 if shape.num_seqs else 1, 257)):
             shape.add_decode(rng.randrange(16, 2500))
         shapes.append(shape)

@@ -124,6 +124,9 @@ class BlockManager:
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed: ComputedBlocks = NO_HITS, freeing: Sequence[Request] = ()) -> bool:
         """Whether allocate_slots would succeed, once the `freeing` requests were freed."""
+        if not freeing:
+            return self._num_new_blocks(request, num_new_tokens, computed) <= \
+                self.num_free_blocks - sum(1 for b in computed.block_ids if self.ref_cnt[b] == 0)
         released = Counter(b for r in freeing for b in self.block_table(r.request_id))
         freed = {b for b, count in released.items() if self.ref_cnt[b] == count}
         free_hits = sum(1 for b in computed.block_ids if self.ref_cnt[b] == 0 or b in freed)
@@ -137,6 +140,9 @@ class BlockManager:
         `computed` are prefix-cache hits for a request being admitted: they are shared, not
         copied, and the caller advances num_computed_tokens past them.
         """
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not computed.block_ids:
+            return self._grow(request, table, num_new_tokens)
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
         num_new = self._num_new_blocks(request, num_new_tokens, computed)
@@ -147,6 +153,21 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(num_new))
         if self.enable_prefix_caching:
             total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+            self._name_full_blocks(request, table, total)
+        return True
+
+    def _grow(self, request: Request, table: List[int], num_new_tokens: int) -> bool:
+        """allocate_slots for a request that holds blocks and has no new hits: the path of
+        every decode, every step, kept short (the scheduler's cost is per running request)."""
+        total = request.num_computed_tokens + num_new_tokens
+        num_new = -(-total // self.block_size) - len(table)
+        if num_new > len(self.free_queue):
+            return False
+        for _ in range(num_new):
+            table.append(self._take_free_block())
+        if self.enable_prefix_caching and \
+                min(total, request.num_tokens) // self.block_size > \
+                self._num_named.get(request.request_id, 0):
             self._name_full_blocks(request, table, total)
         return True
 

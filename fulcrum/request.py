@@ -98,6 +98,7 @@ class Request:
         if not self.sampling_params.ignore_eos:
             stop_ids |= self.eos_token_ids
         self.stop_token_ids = stop_ids
+        self.sorted_stop_token_ids = sorted(stop_ids)  # what the sampler masks, in order
 
     @property
     def slo(self) -> SloTargets:
@@ -129,12 +130,13 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
         """The finished status the newest token puts this request in, if any."""
-        num_out = self.num_output_tokens
-        last = self.all_token_ids[-1]
+        tokens = self.all_token_ids
+        num_out = len(tokens) - self.num_prompt_tokens
+        last = tokens[-1]
         if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             self.stop_reason = None if last in self.eos_token_ids and \
                 last not in self.sampling_params.stop_token_ids else last
             return RequestStatus.FINISHED_STOPPED
-        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_out >= self.max_tokens or len(tokens) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

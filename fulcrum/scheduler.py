@@ -148,8 +148,11 @@ class Scheduler:
         return self._build_output(plan)
 
     def _schedule_decodes(self, plan: _StepPlan) -> None:
+        running = RequestStatus.RUNNING
         for request in self._in_order(self.running):
-            if request.in_prefill or request.status is not RequestStatus.RUNNING:
+            # Not `request.in_prefill`: this loop runs for every request, every step.
+            if len(request.all_token_ids) - request.num_computed_tokens > 1 \
+                    or request.status is not running:
                 continue
             if plan.budget < 1:
                 break
@@ -157,14 +160,13 @@ class Scheduler:
                 plan.add(request, 1)
 
     def _schedule_prefills(self, plan: _StepPlan, may_admit: bool) -> None:
-        decodes = [r for r in plan.tokens]
-        shape = StepShape()
-        for request in decodes:
-            shape.add_decode(request.num_computed_tokens + 1)
-        plan.limit = self.policy.prefill_limit(shape, decodes, self.chunked_prefill)
+        plan.limit = self.policy.prefill_limit(list(plan.tokens), self.chunked_prefill)
         plan.partial = {r for r in self.running if r.in_prefill}
-        candidates = [r for r in self.running if r.in_prefill]
-        if may_admit:
+        candidates = list(plan.partial)
+        # With every seat taken, a waiting request gets one only by preempting: no need to
+        # order the whole queue otherwise.
+        if may_admit and (len(self.running) < self.config.max_num_seqs
+                          or self.policy.preempts_for_seats):
             candidates += self.waiting
         admitting = may_admit
         for request in self.policy.prefill_order(candidates):
@@ -283,50 +285,46 @@ class Scheduler:
 
     # ------------------------------------------------------------------ output
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        # Runs once per request per step: locals instead of properties (see
+        # benchmarks/scheduling_cost.py).
         chunks = []
-        num_decode = 0
         shape = StepShape()
+        tables = self.kv.block_tables
         for request, num_new in plan.tokens.items():
             start = request.num_computed_tokens
-            if request.num_tokens - start == 1:
-                num_decode += 1
-                shape.add_decode(start + 1)
-            else:
-                shape.add_prefill(start, num_new)
+            tokens = request.all_token_ids
+            end = start + num_new
+            shape.add_chunk(start, num_new)
             chunks.append(ScheduledChunk(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + num_new],
-                start_pos=start,
-                block_table=self.kv.block_table(request.request_id),
-                sampling=self._sampling_row(request) if start + num_new == request.num_tokens
-                else None,
-            ))
+                request.request_id, tokens[start:end], start, tables[request.request_id],
+                self._sampling_row(request) if end == len(tokens) else None))
         finished, self._finished_ids = self._finished_ids, []
-        total = sum(plan.tokens.values())
-        return SchedulerOutput(chunks, total - num_decode, num_decode,
+        return SchedulerOutput(chunks, shape.prefill_tokens, shape.decode_tokens,
                                [r.request_id for r in plan.preempted], finished, shape)
 
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:
         return SamplingRow(request.request_id, request.sampling_params, request.all_token_ids,
-                           request.num_prompt_tokens, sorted(request.stop_token_ids))
+                           request.num_prompt_tokens, request.sorted_stop_token_ids)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Dict[str, SampledToken]) -> List[Request]:
         """Advance computed counts, append sampled tokens; return requests that just ended."""
         now = self.clock()
         finished = []
+        requests, running = self.requests, RequestStatus.RUNNING
         for chunk in output.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.is_finished:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:  # ended since scheduled
                 continue
-            request.num_computed_tokens += chunk.num_tokens
-            if not chunk.sample:
+            request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sampling is None:
                 continue
-            request.append_token(sampled[chunk.request_id].token_id)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            request.all_token_ids.append(sampled[chunk.request_id].token_id)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self._finish(request, status)

@@ -66,7 +66,7 @@ class StepTimeLimit(PrefillLimit):
         floor = min(wanted, SLO_AGED_MIN_CHUNK) if self.is_aged(request) else 0
         if math.isinf(self.seconds):
             return wanted
-        fits = lambda n: self.model.predict(self.shape.with_prefill(start, n)) <= self.seconds  # noqa: E731
+        fits = lambda n: self.model.predict(self.shape.with_chunk(start, n)) <= self.seconds  # noqa: E731
         if fits(wanted):
             return wanted
         low, high = 0, wanted  # fits(low) holds (or low is 0), fits(high) does not
@@ -76,13 +76,14 @@ class StepTimeLimit(PrefillLimit):
         return max(low, floor)
 
     def add(self, request: Request, start: int, num_tokens: int) -> None:
-        self.shape.add_prefill(start, num_tokens)
+        self.shape.add_chunk(start, num_tokens)
 
 
 class SchedulingPolicy:
     """First come, first served by default; subclasses change the order or the limits."""
 
     name = "base"
+    preempts_for_seats = False  # whether may_preempt_for can ever be True
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float]) -> None:
         self.config = config
@@ -103,8 +104,7 @@ class SchedulingPolicy:
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
         return sorted(candidates, key=self.key)
 
-    def prefill_limit(self, shape: StepShape, decodes: Sequence[Request],
-                      chunked: bool) -> PrefillLimit:
+    def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         """The limit for this step's prompt chunks, given the decodes already in it."""
         return FixedChunkLimit(self.config.long_prefill_token_threshold if chunked else 0)
 
@@ -125,6 +125,7 @@ class PriorityPolicy(SchedulingPolicy):
     of any priority is served within a bounded time however many better ones keep coming."""
 
     name = "priority"
+    preempts_for_seats = True
 
     def effective_priority(self, request: Request) -> int:
         return request.priority - int((self.now - request.arrival_time) // PRIORITY_AGING_S)
@@ -174,11 +175,13 @@ class SloPolicy(FcfsPolicy):
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
         return sorted(candidates, key=self.urgency)
 
-    def prefill_limit(self, shape: StepShape, decodes: Sequence[Request],
-                      chunked: bool) -> PrefillLimit:
+    def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         if not chunked:
             return PrefillLimit()  # whole prompts only: a cap would only make them wait
-        seconds = min((r.slo.tpot_s for r in decodes), default=math.inf)
+        shape, seconds = StepShape(), math.inf
+        for request in decodes:
+            shape.add_decode(request.num_computed_tokens + 1)
+            seconds = min(seconds, request.metrics.slo.tpot_s)
         return StepTimeLimit(self.model, shape, seconds, self.is_aged,
                              self.config.long_prefill_token_threshold)
 

@@ -37,7 +37,12 @@ class StepShape:
     decode_context: int = 0  # sum of the decodes' context lengths
     num_seqs: int = 0
 
-    def add_prefill(self, start: int, num_tokens: int) -> None:
+    def add_chunk(self, start: int, num_tokens: int) -> None:
+        """A run of one request's tokens after `start` computed ones. A single token costs
+        what a decode costs (one query over its context), so it counts as one."""
+        if num_tokens == 1:
+            self.add_decode(start + 1)
+            return
         self.prefill_tokens += num_tokens
         self.prefill_attention += num_tokens * (start + num_tokens / 2)
         self.num_seqs += 1
@@ -47,10 +52,10 @@ class StepShape:
         self.decode_context += context
         self.num_seqs += 1
 
-    def with_prefill(self, start: int, num_tokens: int) -> "StepShape":
+    def with_chunk(self, start: int, num_tokens: int) -> "StepShape":
         shape = StepShape(self.prefill_tokens, self.decode_tokens, self.prefill_attention,
                           self.decode_context, self.num_seqs)
-        shape.add_prefill(start, num_tokens)
+        shape.add_chunk(start, num_tokens)
         return shape
 
     def features(self) -> np.ndarray:

@@ -95,8 +95,9 @@ def test_recorded_counts_match_the_scheduler_seen_from_outside():
 
 
 def test_slo_ordering_and_chunk_sizing_really_run():
-    """The slo policy orders the whole queue every step and sizes chunks against a finite
-    step-time cap from a fitted model; the loose target keeps waiting requests unaged."""
+    """The slo policy orders the whole queue whenever a seat is free (with every seat taken
+    the queue cannot move, so it is left alone) and sizes chunks against a finite step-time
+    cap from a fitted model; the loose target keeps waiting requests unaged."""
     orders, caps = [], []
 
     def instrument(driver):
@@ -118,7 +119,7 @@ def test_slo_ordering_and_chunk_sizing_really_run():
         caps.clear()
         result = bench.measure(bench.Scenario("slo", 20, ttft_s=ttft_s, **TINY),
                                instrument=instrument)
-        assert len(orders) == TINY["timed_steps"] and min(orders) >= 20
+        assert len(orders) == TINY["timed_steps"] and max(orders) >= 20
         assert all(isinstance(c, StepTimeLimit) and math.isfinite(c.seconds) for c in caps)
         full_step = caps[0].model.prefill_seconds(0, TINY["max_num_batched_tokens"])
         assert 0 < caps[0].seconds < full_step
@@ -128,7 +129,7 @@ def test_slo_ordering_and_chunk_sizing_really_run():
             assert result.aged_waiting_share == 0.0
     model = bench.fitted_step_time_model()
     shape = bench.StepShape()
-    shape.add_prefill(100, 200)
+    shape.add_chunk(100, 200)
     for _ in range(64):
         shape.add_decode(300)
     assert model.predict(shape) == pytest.approx(bench.true_step_seconds(shape), rel=0.05)

@@ -27,7 +27,7 @@ def random_shape(rng: random.Random) -> StepShape:
     for _ in range(rng.randint(0, 40)):
         shape.add_decode(rng.randint(10, 800))
     for _ in range(rng.randint(0 if shape.decode_tokens else 1, 3)):
-        shape.add_prefill(rng.randint(0, 1500), rng.randint(1, 300))
+        shape.add_chunk(rng.randint(0, 1500), rng.randint(1, 300))
     return shape
 
 
@@ -52,7 +52,7 @@ def test_learns_the_coefficients_of_a_linear_cost():
     for _ in range(50):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(truth(shape), rel=5e-3)
-        prefill_only = StepShape().with_prefill(100, 200)
+        prefill_only = StepShape().with_chunk(100, 200)
         assert model.prefill_seconds(100, 200) == pytest.approx(model.predict(prefill_only))
 
 
@@ -95,7 +95,7 @@ def test_no_wind_up_after_many_identical_steps():
     for _ in range(5000):  # a long steady decode phase excites one direction only
         model.update(steady, truth(steady))
     assert np.trace(model.covariance) <= model.prior * len(model.theta) * 1.0001
-    prompt = StepShape().with_prefill(0, 512)
+    prompt = StepShape().with_chunk(0, 512)
     assert model.predict(prompt) == pytest.approx(truth(prompt), rel=0.05)
 
 
