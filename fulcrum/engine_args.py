@@ -34,7 +34,7 @@ _HELP = {
                          "priority (lower value first; may preempt)",
     "slo_ttft_ms": "time-to-first-token target of requests that set none (default: 4 "
                    "full-budget steps, measured at start-up)",
-    "slo_tpot_ms": "time-per-output-token target of requests that set none (default: half a "
+    "slo_tpot_ms": "time-per-output-token target of requests that set none (default: one "
                    "full-budget step, measured at start-up)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",
     "block_size": "tokens per KV-cache block",

@@ -21,7 +21,8 @@ SortKey = Tuple
 # priority: a waiting request gains one priority level for every this many seconds it waits.
 PRIORITY_AGING_S = 10.0
 # slo: a request that would miss its TTFT target anyway yields to those that can still make
-# theirs, until it has waited this many times its target; then it goes first.
+# theirs, until it has waited this many times its target plus its own prefill time (so a
+# long prompt does not jump the queue merely for being long); then it goes first.
 SLO_AGING_FACTOR = 2.0
 # slo: an aged prompt gets at least this many tokens a step, even past the step-time cap.
 SLO_AGED_MIN_CHUNK = 16
@@ -147,7 +148,8 @@ class SloPolicy(FcfsPolicy):
     whole steps. Prompts go least slack first: slack is the time left to the TTFT deadline
     (arrival + target) minus the predicted time of the prompt's remaining prefill. A prompt
     that cannot make its deadline anyway yields to those that still can, rather than making
-    them miss too, until it has waited SLO_AGING_FACTOR times its target (bounded aging).
+    them miss too, until it has waited SLO_AGING_FACTOR times its target and its own prefill
+    time (bounded aging).
     """
 
     name = "slo"
@@ -158,7 +160,8 @@ class SloPolicy(FcfsPolicy):
         self.model = model
 
     def is_aged(self, request: Request) -> bool:
-        return self.now - request.arrival_time > SLO_AGING_FACTOR * request.slo.ttft_s
+        own = self.model.prefill_seconds(0, request.num_prompt_tokens)
+        return self.now - request.arrival_time > SLO_AGING_FACTOR * (request.slo.ttft_s + own)
 
     def slack(self, request: Request) -> float:
         start = request.num_computed_tokens

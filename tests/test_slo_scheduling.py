@@ -99,11 +99,16 @@ def test_a_hopeless_prompt_yields_until_it_has_aged():
     out = clocked_step(sim)
     assert chunk_of(out, "feasible").num_tokens == 300
     assert chunk_of(out, "hopeless").num_tokens == BUDGET - 300
-    sim.now = SLO_AGING_FACTOR * 0.5 + 0.01  # past its aging bound
+    own = sim.sched.policy.model.prefill_seconds(0, 2000)
+    sim.now = SLO_AGING_FACTOR * (0.5 + own) - 0.01  # not aged yet: still yields
+    add(sim, "early", 300, ttft=5.0)
+    out = clocked_step(sim)
+    assert chunk_of(out, "early").num_tokens == 300
+    assert chunk_of(out, "hopeless").num_tokens == BUDGET - 301
+    sim.now = SLO_AGING_FACTOR * (0.5 + own) + 0.01  # past its aging bound
     add(sim, "newcomer", 300, ttft=5.0)
     out = clocked_step(sim)
-    assert chunk_of(out, "feasible").num_tokens == 1  # decoding
-    assert chunk_of(out, "hopeless").num_tokens == BUDGET - 1
+    assert chunk_of(out, "hopeless").num_tokens == BUDGET - 2  # two decodes, then it first
     assert chunk_of(out, "newcomer") is None
 
 
@@ -135,9 +140,10 @@ def test_steps_keep_to_the_tightest_tpot_and_nothing_starves(workload):
         if decodes and prompts:
             cap = min(r.slo.tpot_s for r in decodes)
             # Only an aged prompt's minimum chunk may push a step past the cap.
-            aged = [c for c in prompts if c.num_tokens <= SLO_AGED_MIN_CHUNK and decided_at
-                    - sim.all[c.request_id].arrival_time > SLO_AGING_FACTOR * sim.all[
-                        c.request_id].slo.ttft_s]
+            policy = sim.sched.policy
+            policy.now = decided_at
+            aged = [c for c in prompts if c.num_tokens <= SLO_AGED_MIN_CHUNK
+                    and policy.is_aged(sim.all[c.request_id])]
             assert sim.sched.policy.model.predict(out.shape) <= cap or aged
     assert not pending and not sim.sched.has_unfinished_requests(), "a request starved"
     sim.check_all_done()
@@ -205,8 +211,8 @@ def test_greedy_tokens_are_the_same_under_every_policy(llama_dir):
 def test_slo_targets_per_engine_and_per_request(llama_dir):
     llm = LLM(str(llama_dir))
     defaults = llm.llm_engine.slo_defaults
-    # Derived from the profiled full-budget step: 4 steps to first token, half a step a token.
-    assert 0 < defaults.tpot_s < math.inf and defaults.ttft_s == pytest.approx(8 * defaults.tpot_s)
+    # Derived from the profiled full-budget step: 4 steps to first token, a step a token.
+    assert 0 < defaults.tpot_s < math.inf and defaults.ttft_s == pytest.approx(4 * defaults.tpot_s)
     assert not llm.llm_engine.stats  # the start-up profile leaves no trace
     (output,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(slo_tpot_ms=250),
                              use_tqdm=False, slo_ttft_ms=1500)
