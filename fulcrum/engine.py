@@ -122,13 +122,14 @@ class LLMEngine:
     def _resolve_slo_defaults(self) -> SloTargets:
         """The targets of requests that set none: the configured ones, else derived from the
         predicted time of a full-budget prompt step, `full`: TTFT 4 x full (a request
-        arriving behind a long prompt gets its first token within a few steps), TPOT 1 x
-        full (no step is capped below what the token budget allows anyway, so by default
-        slo reorders prompts and never slows a long one down; a tighter TPOT target trades
-        the long prompts' speed for the decodes')."""
+        arriving behind a long prompt gets its first token within a few steps), TPOT full / 2
+        (while requests decode, a step carries at most about half a budget of prompt, so a
+        request arriving meanwhile waits for a short step, while a lone long prompt still
+        gets whole steps; a looser target speeds long prompts up at the short ones' expense:
+        `fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows the trade-off)."""
         config = self.config
         full = self.step_time.prefill_seconds(0, config.max_num_batched_tokens)
-        derived = SloTargets(4 * full, full) if full > 0 else SloTargets()
+        derived = SloTargets(4 * full, full / 2) if full > 0 else SloTargets()
         return SloTargets(
             config.slo_ttft_ms / 1e3 if config.slo_ttft_ms is not None else derived.ttft_s,
             config.slo_tpot_ms / 1e3 if config.slo_tpot_ms is not None else derived.tpot_s)

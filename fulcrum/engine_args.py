@@ -34,8 +34,8 @@ _HELP = {
                          "priority (lower value first; may preempt)",
     "slo_ttft_ms": "time-to-first-token target of requests that set none (default: 4 "
                    "full-budget steps, measured at start-up)",
-    "slo_tpot_ms": "time-per-output-token target of requests that set none (default: one "
-                   "full-budget step, measured at start-up)",
+    "slo_tpot_ms": "time-per-output-token target of requests that set none (default: half "
+                   "a full-budget step, measured at start-up)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_dtype": "auto (the model's dtype), float32, bfloat16 or float16: bfloat16 halves "

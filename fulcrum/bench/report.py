@@ -49,7 +49,8 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
 # Server flags of each fulcrum variant on top of the common ones.
 FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
-    "fulcrum": (), "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
+    "fulcrum": (), "fulcrum-fcfs": ("--scheduling-policy", "fcfs"),
+    "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
     "fulcrum-static": ("--batching-mode", "static")}
 # vLLM with its defaults, and with the setting that serves the mixed workload best (a smaller
 # step budget and a cap on one prompt's chunk, as fulcrum's defaults have).
@@ -58,7 +59,10 @@ VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
                                "--long-prefill-token-threshold", "256")}
 ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS)
 DESCRIPTIONS = {
-    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill)",
+    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, slo "
+               "scheduling)",
+    "fulcrum-fcfs": "fulcrum serve --scheduling-policy fcfs (fixed chunks of an eighth of the "
+                    "budget)",
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
