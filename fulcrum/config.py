@@ -47,7 +47,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: Optional[int] = None
     max_num_partial_prefills: Optional[int] = None
-    scheduling_policy: SchedulingPolicy = "slo"
+    # fcfs until slo beats it on the published workloads (see docs/performance.md).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # Latency targets (milliseconds) for requests that set none; None: derived from the
     # measured step time (see LLMEngine.slo_defaults).
     slo_ttft_ms: Optional[float] = None

@@ -209,7 +209,7 @@ def test_greedy_tokens_are_the_same_under_every_policy(llama_dir):
 
 
 def test_slo_targets_per_engine_and_per_request(llama_dir):
-    llm = LLM(str(llama_dir))
+    llm = LLM(str(llama_dir), scheduling_policy="slo")
     defaults = llm.llm_engine.slo_defaults
     # Derived from the profiled full-budget step: 4 steps to first token, half a step a token.
     assert 0 < defaults.tpot_s < math.inf and defaults.ttft_s == pytest.approx(8 * defaults.tpot_s)
@@ -217,10 +217,10 @@ def test_slo_targets_per_engine_and_per_request(llama_dir):
     (output,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(slo_tpot_ms=250),
                              use_tqdm=False, slo_ttft_ms=1500)
     assert output.metrics.slo == SloTargets(1.5, 0.25)
-    configured = LLM(str(llama_dir), slo_ttft_ms=300, slo_tpot_ms=40)
+    configured = LLM(str(llama_dir), scheduling_policy="slo", slo_ttft_ms=300, slo_tpot_ms=40)
     assert configured.llm_engine.slo_defaults == SloTargets(0.3, 0.04)
-    fixed = LLM(str(llama_dir), scheduling_policy="fcfs")
-    assert fixed.llm_engine.slo_defaults == SloTargets()  # no targets unless given
+    fixed = LLM(str(llama_dir))  # fcfs: nothing profiled, no targets unless given
+    assert fixed.llm_engine.slo_defaults == SloTargets()
     for bad in (0, -5, float("nan"), "fast"):
         with pytest.raises(ValueError, match="slo_ttft_ms must be a positive number"):
             SamplingParams(slo_ttft_ms=bad)

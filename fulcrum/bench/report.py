@@ -49,7 +49,7 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
 # Server flags of each fulcrum variant on top of the common ones.
 FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
-    "fulcrum": (), "fulcrum-fcfs": ("--scheduling-policy", "fcfs"),
+    "fulcrum": (), "fulcrum-slo": ("--scheduling-policy", "slo"),
     "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
     "fulcrum-static": ("--batching-mode", "static")}
 # vLLM with its defaults, and with the setting that serves the mixed workload best (a smaller
@@ -59,10 +59,9 @@ VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
                                "--long-prefill-token-threshold", "256")}
 ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS)
 DESCRIPTIONS = {
-    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, slo "
-               "scheduling)",
-    "fulcrum-fcfs": "fulcrum serve --scheduling-policy fcfs (fixed chunks of an eighth of the "
-                    "budget)",
+    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, fcfs "
+               "with chunks of an eighth of the budget)",
+    "fulcrum-slo": "fulcrum serve --scheduling-policy slo (chunks sized to latency targets)",
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
