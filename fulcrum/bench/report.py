@@ -126,7 +126,9 @@ def server_command(engine: str, model_dir: str, dummy: bool, port: int,
                    max_model_len: int) -> List[str]:
     load_format = "dummy" if dummy else "auto"
     if engine in VLLM_VARIANTS:
-        return ["bash", str(PEER_SCRIPT), "serve", model_dir, str(port), "--dtype", VLLM_DTYPE,
+        # The peer script reads its venv from VLLM_CPU_VENV: the one checked here.
+        return ["env", f"VLLM_CPU_VENV={VLLM_VENV}", "bash", str(PEER_SCRIPT), "serve",
+                model_dir, str(port), "--dtype", VLLM_DTYPE,
                 "--max-model-len", str(max_model_len), "--load-format", load_format,
                 *VLLM_VARIANTS[engine]]
     return [sys.executable, "-m", "fulcrum", "serve", model_dir, "--port", str(port),
