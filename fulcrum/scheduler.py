@@ -288,18 +288,21 @@ class Scheduler:
         # Runs once per request per step: locals instead of properties (see
         # benchmarks/scheduling_cost.py).
         chunks = []
-        shape = StepShape()
+        shape = StepShape()  # what the step costs: a one-token chunk costs what a decode does
+        num_decode = 0  # what the step is: a decode is a request one token behind
         tables = self.kv.block_tables
         for request, num_new in plan.tokens.items():
             start = request.num_computed_tokens
             tokens = request.all_token_ids
             end = start + num_new
+            num_decode += len(tokens) - start == 1
             shape.add_chunk(start, num_new)
             chunks.append(ScheduledChunk(
                 request.request_id, tokens[start:end], start, tables[request.request_id],
                 self._sampling_row(request) if end == len(tokens) else None))
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, shape.prefill_tokens, shape.decode_tokens,
+        num_tokens = sum(plan.tokens.values())
+        return SchedulerOutput(chunks, num_tokens - num_decode, num_decode,
                                [r.request_id for r in plan.preempted], finished, shape)
 
     @staticmethod
