@@ -19,7 +19,7 @@ from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.request import Request, RequestStatus
 from fulcrum.sampler import SampledToken, SamplingRow
-from fulcrum.scheduling_policy import FixedChunkLimit, PrefillLimit, make_policy
+from fulcrum.scheduling_policy import PrefillLimit, make_policy
 from fulcrum.step_time_model import StepShape, StepTimeModel
 
 
@@ -81,7 +81,7 @@ class _StepPlan:
     tokens: Dict[Request, int] = field(default_factory=dict)
     preempted: List[Request] = field(default_factory=list)
     partial: Set[Request] = field(default_factory=set)
-    limit: PrefillLimit = field(default_factory=lambda: FixedChunkLimit(0))
+    limit: PrefillLimit = field(default_factory=PrefillLimit)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.tokens[request] = num_tokens

@@ -49,31 +49,29 @@ class FixedChunkLimit(PrefillLimit):
         return min(wanted, self.threshold) if self.threshold > 0 else wanted
 
 
-class StepTimeLimit(PrefillLimit):
-    """Prompt chunks while the step's predicted time stays within `seconds`; prompts that
-    have waited past their aging bound get a minimum chunk regardless, so none starves."""
+class StepTimeLimit(FixedChunkLimit):
+    """Prompt chunks while the step's predicted time stays within `seconds` (and within an
+    explicit `long_prefill_token_threshold`); prompts that have waited past their aging
+    bound get a minimum chunk regardless, so none starves."""
 
     def __init__(self, model: StepTimeModel, shape: StepShape, seconds: float,
                  is_aged: Callable[[Request], bool], threshold: int = 0) -> None:
+        super().__init__(threshold)
         self.model = model
         self.shape = shape
         self.seconds = seconds
         self.is_aged = is_aged
-        self.threshold = threshold  # an explicit long_prefill_token_threshold still caps
 
     def cap(self, request: Request, start: int, wanted: int) -> int:
-        if self.threshold > 0:
-            wanted = min(wanted, self.threshold)
-        floor = min(wanted, SLO_AGED_MIN_CHUNK) if self.is_aged(request) else 0
-        if math.isinf(self.seconds):
-            return wanted
+        wanted = super().cap(request, start, wanted)
         fits = lambda n: self.model.predict(self.shape.with_chunk(start, n)) <= self.seconds  # noqa: E731
-        if fits(wanted):
+        if math.isinf(self.seconds) or fits(wanted):
             return wanted
         low, high = 0, wanted  # fits(low) holds (or low is 0), fits(high) does not
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
+        floor = min(wanted, SLO_AGED_MIN_CHUNK) if self.is_aged(request) else 0
         return max(low, floor)
 
     def add(self, request: Request, start: int, num_tokens: int) -> None:

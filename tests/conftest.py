@@ -124,6 +124,17 @@ def running_server(model_dir, name: str = "m", app_kwargs: Optional[Dict[str, An
         async_llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def server(served):
+    """The running server of a module's `served` fixture (a `running_server` pair)."""
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def async_llm(served):
+    return served[1]
+
+
 def free_port() -> int:
     """A loopback port free right now (for servers started in another process)."""
     with socket.socket() as probe:

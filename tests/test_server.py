@@ -29,16 +29,6 @@ def served(llama_dir):
 
 
 @pytest.fixture(scope="module")
-def server(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def async_llm(served):
-    return served[1]
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 

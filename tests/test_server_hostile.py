@@ -68,16 +68,6 @@ def served(model_dir, one_torch_thread):
         yield pair
 
 
-@pytest.fixture(scope="module")
-def server(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def async_llm(served):
-    return served[1]
-
-
 # ---------------------------------------------------------------------- the corpus
 @dataclass(frozen=True)
 class Case:

@@ -16,19 +16,14 @@ from fulcrum.request import RequestStatus, SloTargets
 from fulcrum.scheduling_policy import PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR
 from fulcrum.step_time_model import StepTimeModel
 from test_scheduler import Sim, chunk_of
-from test_step_time_model import random_shape, truth
+from test_step_time_model import train, truth
 
 BUDGET = 512
 
 
 def fitted_model() -> StepTimeModel:
     """A model that has learned the cost that the simulated clock charges."""
-    rng = random.Random(0)
-    model = StepTimeModel()
-    for _ in range(300):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape))
-    return model
+    return train(StepTimeModel(), random.Random(0), 300)
 
 
 def slo_sim(**config) -> Sim:

@@ -31,6 +31,17 @@ def random_shape(rng: random.Random) -> StepShape:
     return shape
 
 
+def train(model: StepTimeModel, rng: random.Random, steps: int, scale: float = 1.0,
+          noise: float = 0.0) -> StepTimeModel:
+    """Feed the model `steps` random steps timed by the true cost (times `scale`, with
+    relative Gaussian noise)."""
+    for _ in range(steps):
+        shape = random_shape(rng)
+        factor = 1 + rng.gauss(0, noise) if noise else 1.0
+        model.update(shape, truth(shape, scale) * factor)
+    return model
+
+
 def test_empty_steps_cost_nothing_and_teach_nothing():
     model = StepTimeModel()
     model.update(StepShape(), 1.0)
@@ -40,9 +51,7 @@ def test_empty_steps_cost_nothing_and_teach_nothing():
 def test_learns_the_coefficients_of_a_linear_cost():
     rng = random.Random(0)
     model = StepTimeModel()
-    for _ in range(300):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape))
+    train(model, rng, 300)
     # Decode tokens and sequences move together in most steps, so only their sum per decode
     # is pinned down quickly; every other coefficient is.
     learned = model.coefficients
@@ -59,9 +68,7 @@ def test_learns_the_coefficients_of_a_linear_cost():
 def test_noisy_steps_still_give_predictions_within_a_few_percent():
     rng = random.Random(1)
     model = StepTimeModel()
-    for _ in range(500):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape) * (1 + rng.gauss(0, 0.05)))
+    train(model, rng, 500, noise=0.05)
     errors = []
     for _ in range(200):
         shape = random_shape(rng)
@@ -72,12 +79,8 @@ def test_noisy_steps_still_give_predictions_within_a_few_percent():
 def test_follows_a_machine_that_slows_down():
     rng = random.Random(2)
     model = StepTimeModel()
-    for _ in range(200):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape))
-    for _ in range(300):  # a noisy neighbour halves the speed
-        shape = random_shape(rng)
-        model.update(shape, truth(shape, 2.0))
+    train(model, rng, 200)
+    train(model, rng, 300, scale=2.0)  # a noisy neighbour halves the speed
     for _ in range(20):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(truth(shape, 2.0), rel=0.02)
@@ -86,9 +89,7 @@ def test_follows_a_machine_that_slows_down():
 def test_no_wind_up_after_many_identical_steps():
     rng = random.Random(3)
     model = StepTimeModel()
-    for _ in range(200):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape))
+    train(model, rng, 200)
     steady = StepShape()
     for _ in range(32):
         steady.add_decode(300)
@@ -102,9 +103,7 @@ def test_no_wind_up_after_many_identical_steps():
 def test_one_stalled_step_barely_moves_the_model():
     rng = random.Random(4)
     model = StepTimeModel()
-    for _ in range(200):
-        shape = random_shape(rng)
-        model.update(shape, truth(shape))
+    train(model, rng, 200)
     stalled = random_shape(rng)
     model.update(stalled, 50 * truth(stalled))  # a 50x outlier: a GC pause, a page storm
     assert model.last_error == pytest.approx(49 * truth(stalled), rel=0.01)
