@@ -98,26 +98,33 @@ class LLMEngine:
         pays for one-time costs: allocations, kernel builds); then the engine is as new."""
         for _ in range(2):
             self.step_time.reset()
+            self.block_manager.reset_prefix_cache()  # the second run must compute its prompts too
             for request_id, prompt, max_tokens in self._profile_requests():
                 self.add_request(request_id, {"prompt_token_ids": prompt},
                                  SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
             while self.has_unfinished_requests():
                 self.step()
+        self.block_manager.reset_prefix_cache()
         self.stats.clear()
         self._step_counter = itertools.count()
         self.scheduler.reset_counters()
-        self.block_manager.reset_prefix_cache()
 
     def _profile_requests(self) -> List[tuple]:
+        """Steps of every kind the model must tell apart: a full-budget prompt; a quarter-
+        budget prompt beside short ones and a decode; decode batches of several sizes (the
+        short ones end one after another); a request decoding alone."""
         config = self.config
-        long_len = max(1, min(config.max_num_batched_tokens, config.max_model_len - 2))
-        short_len = max(1, min(16, config.max_model_len - 3))
-        count = max(1, min(8, config.max_num_seqs - 1, config.max_num_batched_tokens // short_len))
+        room = config.max_model_len
+        long_len = max(1, min(config.max_num_batched_tokens, room - 8))
+        short_len = max(1, min(16, room - 5))
+        count = max(1, min(8, config.max_num_seqs - 2, config.max_num_batched_tokens // short_len))
         ids = itertools.count(1)
         tokens = lambda n: [next(ids) % self.vocab_size for _ in range(n)]  # noqa: E731
-        return ([("fulcrum-profile-long", tokens(long_len), 2)]
-                + [(f"fulcrum-profile-{i}", tokens(short_len), 3) for i in range(count)])
+        return ([("fulcrum-profile-long", tokens(long_len), max(1, min(8, room - long_len))),
+                 ("fulcrum-profile-medium", tokens(max(1, long_len // 4)), 2)]
+                + [(f"fulcrum-profile-{i}", tokens(short_len), max(1, min(2 + i % 4, room - short_len)))
+                   for i in range(count)])
 
     def _resolve_slo_defaults(self) -> SloTargets:
         """The targets of requests that set none: the configured ones, else derived from the

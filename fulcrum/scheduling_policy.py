@@ -26,6 +26,10 @@ PRIORITY_AGING_S = 10.0
 SLO_AGING_FACTOR = 2.0
 # slo: an aged prompt gets at least this many tokens a step, even past the step-time cap.
 SLO_AGED_MIN_CHUNK = 16
+# slo: a decoding request that is ahead of its TPOT target (its tokens came faster than the
+# target, on average) lets a step take up to this many times the target, spending the time
+# it banked; never more, so no single gap between tokens grows without bound.
+SLO_MAX_BANKED_STEPS = 4.0
 
 
 class PrefillLimit:
@@ -140,7 +144,7 @@ class SloPolicy(FcfsPolicy):
     """Meet each request's latency targets (TTFT and TPOT) step by step.
 
     Decodes come first, as in every policy. Prompt tokens then fill the step only while its
-    predicted time stays within the tightest TPOT target among the decodes it carries, so a
+    predicted time stays within what the decodes it carries can afford (`step_allowance`), so a
     long prompt shares steps with decodes without stretching their time per token; with no
     decode in the step there is no cap but the token budget, so a lone long prompt gets
     whole steps. Prompts go least slack first: slack is the time left to the TTFT deadline
@@ -176,13 +180,26 @@ class SloPolicy(FcfsPolicy):
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
         return sorted(candidates, key=self.urgency)
 
+    def step_allowance(self, request: Request) -> float:
+        """How long this step may take without `request` missing its TPOT target, read as
+        vLLM's benchmarks and goodput read it: the mean time per output token after the first.
+        Its n-th token after the first is due n targets after the first token; a request
+        ahead of that pace may wait longer than one target for its next token (at most
+        SLO_MAX_BANKED_STEPS targets), one behind it gets one target."""
+        target = request.metrics.slo.tpot_s
+        first = request.metrics.first_token_time
+        if first is None or math.isinf(target):
+            return target
+        due = first + request.num_output_tokens * target
+        return min(max(due - self.now, target), SLO_MAX_BANKED_STEPS * target)
+
     def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         if not chunked:
             return PrefillLimit()  # whole prompts only: a cap would only make them wait
         shape, seconds = StepShape(), math.inf
         for request in decodes:
             shape.add_decode(request.num_computed_tokens + 1)
-            seconds = min(seconds, request.metrics.slo.tpot_s)
+            seconds = min(seconds, self.step_allowance(request))
         return StepTimeLimit(self.model, shape, seconds, self.is_aged,
                              self.config.long_prefill_token_threshold)
 

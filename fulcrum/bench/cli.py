@@ -1,4 +1,4 @@
-"""`fulcrum bench serve | throughput | sweep | report | stress`: argument wiring only; the work
+"""`fulcrum bench serve | throughput | sweep | report | goodput | stress`: argument wiring only; the work
 is in the sibling modules. Without a model folder, throughput and sweep use a real model's shape
 with dummy weights (see shapes.py)."""
 
@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     _register_throughput(commands)
     _register_sweep(commands)
     _register_report(commands)
+    _register_goodput(commands)
     _register_stress(commands)
 
 
@@ -115,6 +116,19 @@ def _register_report(commands) -> None:
                     "of medians and the raw runs as JSON beside it. A full run takes ~30 min.")
     add_report_args(parser)
     parser.set_defaults(func=run_report)
+
+
+def _register_goodput(commands) -> None:
+    from fulcrum.bench.goodput import add_goodput_args, run_goodput
+
+    parser = commands.add_parser(
+        "goodput", help="goodput against offered load: fulcrum's policies beside vLLM's",
+        description="Serve each engine in turn and offer it chat-like bursty traffic at rising "
+                    "request rates; report the requests/s that meet both latency targets "
+                    "(TTFT and TPOT), with a plot. Writes goodput.md, goodput.json and "
+                    "goodput.png.")
+    add_goodput_args(parser)
+    parser.set_defaults(func=run_goodput)
 
 
 def _register_stress(commands) -> None:

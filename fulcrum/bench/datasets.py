@@ -1,4 +1,4 @@
-"""Benchmark prompts: random token ids, a long/short mix, or a JSONL file.
+"""Benchmark prompts: random token ids, a long/short mix, chat-like lengths, or a JSONL file.
 
 Random prompts are token-id lists with ids below 256: every byte-level vocabulary and every
 real vocabulary has them, so the same prompt has the same length on any server and the
@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Union
 import numpy as np
 
 RANDOM_ID_LIMIT = 256
+CHAT_MAX_LEN = 4096  # --dataset chat's context when the command sets no --max-model-len
 SHORT, LONG = "short", "long"
 
 
@@ -59,6 +60,25 @@ def mixed_requests(num_short: int, short_input_len: int, num_long: int, long_inp
             + random_requests(num_short, short_input_len, output_len, range_ratio, rng, SHORT))
 
 
+def _log_normal(count: int, median: int, sigma: float, low: int, high: int,
+                rng: np.random.Generator) -> List[int]:
+    values = np.exp(np.log(median) + sigma * rng.standard_normal(count))
+    return np.clip(np.rint(values), low, high).astype(int).tolist()
+
+
+def chat_requests(count: int, input_len: int, output_len: int, max_len: int,
+                  rng: np.random.Generator) -> List[SampleRequest]:
+    """Conversation-like lengths without a download: prompts and answers log-normal around
+    the given medians (sigma 1.0 and 0.8), as in ShareGPT-style traces: mostly short, with a
+    tail of long prompts (up to max_len / 2) that make the prefill/decode trade-off matter.
+    Prompts of `SHORT` and `LONG` groups split at four times the median."""
+    inputs = _log_normal(count, input_len, 1.0, 4, max(4, max_len // 2), rng)
+    outputs = _log_normal(count, output_len, 0.8, 2, max(2, max_len // 8), rng)
+    return [SampleRequest(rng.integers(0, RANDOM_ID_LIMIT, size=n).tolist(), n, m,
+                          LONG if n > 4 * input_len else SHORT)
+            for n, m in zip(inputs, outputs)]
+
+
 def jsonl_requests(path: str, default_output_len: int,
                    count_tokens: Optional[Callable[[str], int]] = None) -> List[SampleRequest]:
     """One JSON object per line: `prompt` (text or token ids), optional `output_len`, `group`.
@@ -86,13 +106,15 @@ def jsonl_requests(path: str, default_output_len: int,
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset", choices=["random", "mixed", "jsonl"], default="random")
+    group.add_argument("--dataset", choices=["random", "mixed", "chat", "jsonl"], default="random")
     group.add_argument("--dataset-path", help="the JSONL file of --dataset jsonl")
     group.add_argument("--num-prompts", type=int, default=64,
                        help="requests (the short ones for --dataset mixed)")
     group.add_argument("--input-len", type=int, default=256,
-                       help="prompt tokens (the short ones for --dataset mixed)")
-    group.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+                       help="prompt tokens (the short ones for --dataset mixed; the median "
+                            "for --dataset chat)")
+    group.add_argument("--output-len", type=int, default=128,
+                       help="tokens generated per request (the median for --dataset chat)")
     group.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths drawn uniformly within +-ratio of the given ones")
     group.add_argument("--long-num-prompts", type=int, default=2, help="mixed: long requests")
@@ -109,6 +131,9 @@ def build_requests(args: argparse.Namespace,
     if args.dataset == "mixed":
         return mixed_requests(args.num_prompts, args.input_len, args.long_num_prompts,
                               args.long_input_len, args.output_len, args.range_ratio, rng)
+    if args.dataset == "chat":
+        return chat_requests(args.num_prompts, args.input_len, args.output_len,
+                             getattr(args, "max_model_len", None) or CHAT_MAX_LEN, rng)
     if not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
     return jsonl_requests(args.dataset_path, args.output_len, count_tokens)

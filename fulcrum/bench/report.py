@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -124,16 +124,24 @@ def free_port() -> int:
 
 def server_command(engine: str, model_dir: str, dummy: bool, port: int,
                    max_model_len: int) -> List[str]:
-    load_format = "dummy" if dummy else "auto"
     if engine in VLLM_VARIANTS:
-        # The peer script reads its venv from VLLM_CPU_VENV: the one checked here.
-        return ["env", f"VLLM_CPU_VENV={VLLM_VENV}", "bash", str(PEER_SCRIPT), "serve",
-                model_dir, str(port), "--dtype", VLLM_DTYPE,
-                "--max-model-len", str(max_model_len), "--load-format", load_format,
-                *VLLM_VARIANTS[engine]]
+        return vllm_command(VLLM_VARIANTS[engine], model_dir, dummy, port, max_model_len)
+    return fulcrum_command(FULCRUM_VARIANTS[engine], model_dir, dummy, port, max_model_len)
+
+
+def vllm_command(flags: Sequence[str], model_dir: str, dummy: bool, port: int,
+                 max_model_len: int) -> List[str]:
+    # The peer script reads its venv from VLLM_CPU_VENV: the one checked here.
+    return ["env", f"VLLM_CPU_VENV={VLLM_VENV}", "bash", str(PEER_SCRIPT), "serve", model_dir,
+            str(port), "--dtype", VLLM_DTYPE, "--max-model-len", str(max_model_len),
+            "--load-format", "dummy" if dummy else "auto", *flags]
+
+
+def fulcrum_command(flags: Sequence[str], model_dir: str, dummy: bool, port: int,
+                    max_model_len: int) -> List[str]:
     return [sys.executable, "-m", "fulcrum", "serve", model_dir, "--port", str(port),
-            "--load-format", load_format, "--dtype", FULCRUM_DTYPE,
-            "--max-model-len", str(max_model_len), *FULCRUM_VARIANTS[engine]]
+            "--load-format", "dummy" if dummy else "auto", "--dtype", FULCRUM_DTYPE,
+            "--max-model-len", str(max_model_len), *flags]
 
 
 @contextmanager

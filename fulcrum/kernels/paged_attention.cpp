@@ -240,12 +240,22 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
         __mmask16 any_valid = 0;
         for (int c = 0; c < kChunk; ++c) any_valid |= valid[c];
         if (!any_valid) continue;
-        for (int dp = 0; dp < kDimPairs; ++dp) {
-          const __m512bh keys = as_bh(_mm512_loadu_si512(key_pairs + dp));
-          for (int c = 0; c < kChunk; ++c)
+        // Two partial sums per vector (even and odd dim pairs): twice the independent chains,
+        // since one chain of dependent dot products waits on each instruction's latency.
+        __m512 odd[kChunk];
+        for (int c = 0; c < kChunk; ++c) odd[c] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int dp = 0; dp < kDimPairs; dp += 2) {
+          const __m512bh even_keys = as_bh(_mm512_loadu_si512(key_pairs + dp));
+          const __m512bh odd_keys = as_bh(_mm512_loadu_si512(key_pairs + dp + 1));
+          for (int c = 0; c < kChunk; ++c) {
             scores[c] = _mm512_dpbf16_ps(scores[c], as_bh(_mm512_set1_epi32(query[c][dp])),
-                                         keys);
+                                         even_keys);
+            odd[c] = _mm512_dpbf16_ps(odd[c], as_bh(_mm512_set1_epi32(query[c][dp + 1])),
+                                      odd_keys);
+          }
         }
+        for (int c = 0; c < kChunk; ++c) scores[c] = _mm512_add_ps(scores[c], odd[c]);
         alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
         for (int c = 0; c < kChunk; ++c) {
           const int i = i0 + c;  // >= head_end: a padding lane, valid[c] == 0
