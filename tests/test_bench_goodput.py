@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from fulcrum.bench.datasets import LONG, SHORT, chat_requests
 from fulcrum.bench.goodput import best_budget, traffic
@@ -25,9 +26,13 @@ def test_chat_lengths_are_log_normal_within_bounds():
     assert all((r.group == LONG) == (r.prompt_len > 4 * 128) for r in requests)
 
 
-def test_each_rate_has_its_own_prompts_and_the_same_for_every_engine():
+def test_every_rate_offers_the_same_lengths_scaled_in_time_with_fresh_prompts():
     a, b = traffic(1.0, 8, 64, 16, 0.5, 0), traffic(2.0, 8, 64, 16, 0.5, 0)
-    assert [r.prompt for _, r in a] != [r.prompt for _, r in b]
+    assert [(r.prompt_len, r.output_len) for _, r in a] == \
+        [(r.prompt_len, r.output_len) for _, r in b]
+    assert [2 * offset for offset, _ in b] == pytest.approx([offset for offset, _ in a])
+    assert all(x.prompt != y.prompt for (_, x), (_, y) in zip(a, b))
+    assert all(len(r.prompt) == r.prompt_len for _, r in a)
     assert traffic(1.0, 8, 64, 16, 0.5, 0) == a
     gaps = np.diff([offset for offset, _ in traffic(4.0, 400, 64, 16, 0.5, 1)])
     assert 0.2 <= gaps.mean() <= 0.3  # mean gap 1 / rate

@@ -27,3 +27,30 @@ def test_report_quick_writes_three_tables_and_json(llama_dir, tmp_path):
     assert fulcrum["decode"]["median"]["TPOT median (ms)"] > 0
     assert fulcrum["mixed"]["median"]["long TTFT (ms)"] > 0
     assert fulcrum["mixed"]["runs"][0]["reports"]["all"]["failed"] == 0
+
+
+def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    from fulcrum.bench import report
+
+    docs = Path(report.REPO) / "docs"
+    out = tmp_path / "performance.md"
+    shutil.copy(docs / "performance.json", out.with_suffix(".json"))
+    goodput = tmp_path / "goodput.json"
+    goodput.write_text(json.dumps({
+        "setup": {"traffic": "30 chat-like requests per rate", "rates": [0.5, 2.0],
+                  "slo": {"ttft": 1000.0, "tpot": 100.0}, "machine": {"date": "today"}},
+        "best_fixed_budget": "fulcrum-fcfs-512",
+        "results": {"fulcrum-slo": {"points": [{"goodput_share": 1.0}, {"goodput_share": 0.5}]},
+                    "vllm": {"error": "did not start"}}}))
+    monkeypatch.setattr(report, "GOODPUT_JSON", goodput)
+    assert main(["bench", "report", "--render-only", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "## Throughput" in page and "## Mixed" in page
+    assert "## Goodput against offered load" in page
+    assert "| engine | 0.5 req/s | 2 req/s |" in page
+    assert "| fulcrum-slo | 100% | 50% |" in page
+    assert "| vllm |" not in page.split("## Goodput")[1]  # a failed engine has no row
+    assert "best of the sweep: fulcrum-fcfs-512" in page and "![goodput](goodput.png)" in page

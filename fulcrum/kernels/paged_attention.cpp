@@ -159,18 +159,21 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
                          const int64_t* table, uint16_t* out, int kv_head, int heads,
                          int num_kv_heads, int group, float scale, int window) {
   constexpr int kBlock = 16;
+  constexpr int kSpan = 4;  // blocks scored together: 64 keys per softmax update
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
   constexpr int kTile = kDim * kBlock;  // bf16 values of one block and head
   const int per_head = rows * group;  // query vectors of one KV head
   const int vectors = heads * per_head;
-  // Padded to whole chunks: padding lanes accumulate zeros and are never stored.
+  // Padded to whole chunks: padding lanes accumulate zeros and are never stored. The sums
+  // of the weights stay vectors until the end (one reduction per vector, not per block).
   __m512 acc[kMaxVectors + kChunk][kVecs];
-  float running_max[kMaxVectors + kChunk], running_sum[kMaxVectors + kChunk];
+  __m512 running_sum[kMaxVectors + kChunk];
+  float running_max[kMaxVectors + kChunk];
   for (int i = 0; i < vectors + kChunk; ++i) {
     for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_setzero_ps();
+    running_sum[i] = _mm512_setzero_ps();
     running_max[i] = -1e30f;
-    running_sum[i] = 0.f;
   }
   const int64_t last_len = first_len + rows - 1;
   auto row_start = [&](int64_t len) {
@@ -195,99 +198,120 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     queries[i] = reinterpret_cast<const int32_t*>(q + r * q_row_stride +
                                                   ((kv_head + h) * group + g) * kDim);
   }
-  __mmask16 row_masks[kMaxVectors];
-  for (int64_t b = row_start(first_len) / kBlock; b * kBlock < last_len; ++b) {
-    const __mmask16 used = block_mask(b, last_len) | block_mask(b, first_len);
-    for (int r = 0; r < rows; ++r) row_masks[r] = block_mask(b, first_len + r);
-    if ((b + 1) * kBlock < last_len) {
-      // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch
-      // the next one (into L2: as many lines in flight as that allows, where an L1 prefetch
-      // of a whole block stalls on the fill buffers; 35 -> 25 ms a decode step measured
-      // for 64 sequences of 320 tokens in randomly placed blocks).
+  const int64_t end_block = (last_len + kBlock - 1) / kBlock;
+  __mmask16 row_masks[kSpan][kMaxVectors];
+  __m512i value_pairs[kSpan][kBlock / 2][kVecs];
+  int first_pair[kSpan], end_pair[kSpan];
+  unsigned used[kSpan];
+  for (int64_t b0 = row_start(first_len) / kBlock; b0 < end_block; b0 += kSpan) {
+    const int span = static_cast<int>(std::min<int64_t>(kSpan, end_block - b0));
+    for (int j = 0; j < kSpan; ++j) {
+      used[j] = 0;
+      if (j < span) {
+        used[j] = block_mask(b0 + j, last_len) | block_mask(b0 + j, first_len);
+        for (int r = 0; r < rows; ++r) row_masks[j][r] = block_mask(b0 + j, first_len + r);
+      } else {
+        for (int r = 0; r < rows; ++r) row_masks[j][r] = 0;
+      }
+      // Token pairs that some row sees; slots outside may be unwritten (NaN), so their
+      // values are loaded as zeros, once per block and head.
+      first_pair[j] = used[j] ? __builtin_ctz(used[j]) / 2 : 0;
+      end_pair[j] = used[j] ? (16 - __builtin_clz(used[j] << 16) + 1) / 2 : 0;
+    }
+    // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch the
+    // next span (into L2: as many lines in flight as that allows, where an L1 prefetch of a
+    // whole block stalls on the fill buffers).
+    for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b) {
       for (const uint16_t* cache : {k_cache, v_cache}) {
-        const char* next = reinterpret_cast<const char*>(tile(cache, b + 1, kv_head));
+        const char* next = reinterpret_cast<const char*>(tile(cache, b, kv_head));
         for (int line = 0; line < heads * kTile * 2; line += 64)
           _mm_prefetch(next + line, _MM_HINT_T1);
       }
     }
-    // Token pairs that some row sees; slots outside may be unwritten (NaN), so their
-    // values are loaded as zeros, once per block and head, for every chunk below.
-    const int first_pair = __builtin_ctz(used) / 2;
-    const int end_pair = (16 - __builtin_clz(static_cast<unsigned>(used) << 16) + 1) / 2;
-    __m512i value_pairs[kBlock / 2][kVecs];
     for (int h = 0; h < heads; ++h) {
-      const __m512i* key_pairs = reinterpret_cast<const __m512i*>(tile(k_cache, b, kv_head + h));
-      const uint16_t* values = tile(v_cache, b, kv_head + h);
-      for (int tp = first_pair; tp < end_pair; ++tp) {
-        const unsigned pair = (used >> (2 * tp)) & 3u;
-        const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
-        for (int v = 0; v < kVecs; ++v)
-          value_pairs[tp][v] = _mm512_maskz_loadu_epi16(load, values + (tp * kDim + 16 * v) * 2);
+      const __m512i* key_pairs[kSpan];
+      for (int j = 0; j < kSpan; ++j) {
+        // A span's missing blocks score the first block again, masked out below.
+        key_pairs[j] = reinterpret_cast<const __m512i*>(
+            tile(k_cache, b0 + (j < span ? j : 0), kv_head + h));
+        const uint16_t* values = tile(v_cache, b0 + (j < span ? j : 0), kv_head + h);
+        for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
+          const unsigned pair = (used[j] >> (2 * tp)) & 3u;
+          const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
+          for (int v = 0; v < kVecs; ++v)
+            value_pairs[j][tp][v] =
+                _mm512_maskz_loadu_epi16(load, values + (tp * kDim + 16 * v) * 2);
+        }
       }
-      // Query vectors kChunk at a time: independent dot-product chains keep the FMA pipes
-      // busy where one vector's chain would wait on each instruction's latency.
+      // Query vectors kChunk at a time against the span's kSpan blocks: kChunk x kSpan
+      // independent dot-product chains, and each broadcast query pair feeds kSpan of them.
       const int head_end = (h + 1) * per_head;
       for (int i0 = h * per_head; i0 < head_end; i0 += kChunk) {
-        __mmask16 valid[kChunk];
+        __mmask16 valid[kChunk][kSpan];
         const int32_t* query[kChunk];
-        __m512 scores[kChunk];
+        __m512 scores[kChunk][kSpan];
+        __mmask16 any_valid = 0;
         for (int c = 0; c < kChunk; ++c) {
           const int i = std::min(i0 + c, head_end - 1);
-          valid[c] = i0 + c < head_end ? row_masks[row_of[i]] : 0;
           query[c] = queries[i];
-          scores[c] = _mm512_setzero_ps();
-        }
-        __mmask16 any_valid = 0;
-        for (int c = 0; c < kChunk; ++c) any_valid |= valid[c];
-        if (!any_valid) continue;
-        // Two partial sums per vector (even and odd dim pairs): twice the independent chains,
-        // since one chain of dependent dot products waits on each instruction's latency.
-        __m512 odd[kChunk];
-        for (int c = 0; c < kChunk; ++c) odd[c] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int dp = 0; dp < kDimPairs; dp += 2) {
-          const __m512bh even_keys = as_bh(_mm512_loadu_si512(key_pairs + dp));
-          const __m512bh odd_keys = as_bh(_mm512_loadu_si512(key_pairs + dp + 1));
-          for (int c = 0; c < kChunk; ++c) {
-            scores[c] = _mm512_dpbf16_ps(scores[c], as_bh(_mm512_set1_epi32(query[c][dp])),
-                                         even_keys);
-            odd[c] = _mm512_dpbf16_ps(odd[c], as_bh(_mm512_set1_epi32(query[c][dp + 1])),
-                                      odd_keys);
+          for (int j = 0; j < kSpan; ++j) {
+            valid[c][j] = i0 + c < head_end ? row_masks[j][row_of[i]] : 0;
+            any_valid |= valid[c][j];
+            scores[c][j] = _mm512_setzero_ps();
           }
         }
-        for (int c = 0; c < kChunk; ++c) scores[c] = _mm512_add_ps(scores[c], odd[c]);
-        alignas(64) int32_t p_pairs[kChunk][kBlock / 2];
+        if (!any_valid) continue;
+        for (int dp = 0; dp < kDimPairs; ++dp) {
+          __m512bh keys[kSpan];
+          for (int j = 0; j < kSpan; ++j) keys[j] = as_bh(_mm512_loadu_si512(key_pairs[j] + dp));
+          for (int c = 0; c < kChunk; ++c) {
+            const __m512bh query_pair = as_bh(_mm512_set1_epi32(query[c][dp]));
+            for (int j = 0; j < kSpan; ++j)
+              scores[c][j] = _mm512_dpbf16_ps(scores[c][j], query_pair, keys[j]);
+          }
+        }
+        alignas(64) int32_t p_pairs[kChunk][kSpan][kBlock / 2];
         for (int c = 0; c < kChunk; ++c) {
-          const int i = i0 + c;  // >= head_end: a padding lane, valid[c] == 0
-          if (!valid[c]) {
+          const int i = i0 + c;  // >= head_end: a padding lane, valid[c] all 0
+          __m512 span_max = _mm512_set1_ps(-1e30f);
+          __mmask16 seen = 0;
+          for (int j = 0; j < kSpan; ++j) {
+            scores[c][j] = _mm512_mul_ps(scores[c][j], _mm512_set1_ps(scale));
+            span_max = _mm512_mask_max_ps(span_max, valid[c][j], span_max, scores[c][j]);
+            seen |= valid[c][j];
+          }
+          if (!seen) {
             std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
             continue;
           }
-          const __m512 scaled = _mm512_mul_ps(scores[c], _mm512_set1_ps(scale));
-          const float tile_max =
-              std::max(running_max[i], _mm512_mask_reduce_max_ps(valid[c], scaled));
-          const __m512 p = _mm512_maskz_mov_ps(
-              valid[c], fulcrum::exp512(_mm512_sub_ps(scaled, _mm512_set1_ps(tile_max))));
-          const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
-          std::memcpy(p_pairs[c], &p_bf16, sizeof p_pairs[c]);
-          // The sum of the rounded weights, so the output stays their exact average.
-          const float tile_sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
+          const float tile_max = std::max(running_max[i], _mm512_reduce_max_ps(span_max));
+          const __m512 shift = _mm512_set1_ps(tile_max);
+          __m512 span_sum = _mm512_setzero_ps();
+          for (int j = 0; j < kSpan; ++j) {
+            const __m512 p = _mm512_maskz_mov_ps(
+                valid[c][j], fulcrum::exp512(_mm512_sub_ps(scores[c][j], shift)));
+            const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+            std::memcpy(p_pairs[c][j], &p_bf16, sizeof p_pairs[c][j]);
+            // The sum of the rounded weights, so the output stays their exact average.
+            span_sum = _mm512_add_ps(span_sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
+          }
           if (tile_max > running_max[i]) {
-            const float correction = std::exp(running_max[i] - tile_max);
-            const __m512 corr = _mm512_set1_ps(correction);
+            const __m512 corr = _mm512_set1_ps(std::exp(running_max[i] - tile_max));
             for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], corr);
-            running_sum[i] *= correction;
+            running_sum[i] = _mm512_mul_ps(running_sum[i], corr);
             running_max[i] = tile_max;
           }
-          running_sum[i] += tile_sum;
+          running_sum[i] = _mm512_add_ps(running_sum[i], span_sum);
         }
-        for (int tp = first_pair; tp < end_pair; ++tp) {
-          for (int c = 0; c < kChunk; ++c) {
-            const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][tp]));
-            for (int v = 0; v < kVecs; ++v)
-              acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
-                                                as_bh(value_pairs[tp][v]));
+        for (int j = 0; j < span; ++j) {
+          for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
+            for (int c = 0; c < kChunk; ++c) {
+              const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][j][tp]));
+              for (int v = 0; v < kVecs; ++v)
+                acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
+                                                  as_bh(value_pairs[j][tp][v]));
+            }
           }
         }
       }
@@ -295,7 +319,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   }
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
-    const __m512 inv = _mm512_set1_ps(1.f / running_sum[i]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(running_sum[i]));
     uint16_t* o = out + r * q_row_stride + ((kv_head + h) * group + g) * kDim;
     for (int v = 0; v < kVecs; ++v) {
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
