@@ -80,6 +80,11 @@ class StepTimeLimit(FixedChunkLimit):
 
     def add(self, request: Request, start: int, num_tokens: int) -> None:
         self.shape.add_chunk(start, num_tokens)
+        if start + num_tokens >= request.num_tokens:
+            # The prompt is done: its first token comes at the end of this step, so the
+            # chunks still to come may delay it by one TPOT target at most, as a decode.
+            self.seconds = min(self.seconds, self.model.predict(self.shape)
+                               + request.metrics.slo.tpot_s)
 
 
 class SchedulingPolicy:
@@ -144,7 +149,8 @@ class SloPolicy(FcfsPolicy):
     """Meet each request's latency targets (TTFT and TPOT) step by step.
 
     Decodes come first, as in every policy. Prompt tokens then fill the step only while its
-    predicted time stays within what the decodes it carries can afford (`step_allowance`), so a
+    predicted time stays within what the decodes it carries can afford (`step_allowance`) and
+    delays a prompt finishing in it by one TPOT target at most (`StepTimeLimit.add`), so a
     long prompt shares steps with decodes without stretching their time per token; with no
     decode in the step there is no cap but the token budget, so a lone long prompt gets
     whole steps. Prompts go least slack first: slack is the time left to the TTFT deadline

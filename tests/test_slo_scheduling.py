@@ -15,7 +15,7 @@ from fulcrum import LLM, SamplingParams
 from fulcrum.request import RequestStatus, SloTargets
 from fulcrum.scheduling_policy import (PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR,
                                        SLO_MAX_BANKED_STEPS)
-from fulcrum.step_time_model import StepTimeModel
+from fulcrum.step_time_model import StepShape, StepTimeModel
 from test_scheduler import Sim, chunk_of
 from test_step_time_model import train, truth
 
@@ -94,6 +94,28 @@ def test_tpot_is_a_mean_a_request_ahead_of_pace_lends_the_step_its_banked_time()
     assert policy.step_allowance(request) == pytest.approx(SLO_MAX_BANKED_STEPS * 0.1)
     policy.now = first + 5.0  # far behind its pace: one target, as without banking
     assert policy.step_allowance(request) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("tpot", [0.05, math.inf])
+def test_a_prompt_finishing_in_a_step_is_delayed_by_one_tpot_target_at_most(tpot):
+    sim = slo_sim()
+    add(sim, "long", 3000)
+    clocked_step(sim)
+    add(sim, "short", 40, ttft=10.0, tpot=tpot)
+    out = clocked_step(sim)
+    assert chunk_of(out, "short").num_tokens == 40  # least slack first: it goes first
+    long_chunk = chunk_of(out, "long").num_tokens
+    if math.isinf(tpot):
+        assert long_chunk == BUDGET - 40  # no target: the long prompt takes the rest
+        return
+    model = sim.sched.policy.model
+    alone = StepShape()
+    alone.add_chunk(0, 40)
+    assert 0 < long_chunk < BUDGET - 40
+    assert model.predict(out.shape) <= model.predict(alone) + tpot + 1e-9
+    # One token more would have crossed the line.
+    longer = alone.with_chunk(BUDGET, long_chunk + 1)
+    assert model.predict(longer) > model.predict(alone) + tpot
 
 
 def test_least_slack_first_across_targets():
