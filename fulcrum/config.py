@@ -47,8 +47,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: Optional[int] = None
     max_num_partial_prefills: Optional[int] = None
-    # fcfs until slo beats it on the published workloads (see docs/performance.md).
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    # slo sizes each step's prompt chunks to latency targets; fcfs and priority keep a fixed
+    # chunk rule (see docs/performance.md for the two side by side).
+    scheduling_policy: SchedulingPolicy = "slo"
     # Latency targets (milliseconds) for requests that set none; None: derived from the
     # measured step time (see LLMEngine.slo_defaults).
     slo_ttft_ms: Optional[float] = None

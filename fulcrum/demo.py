@@ -3,11 +3,11 @@
 A long prompt arrives first; short requests keep arriving while it is being prefilled. The
 demo runs the same arrival schedule three ways and prints every request's TTFT, the total
 throughput, and how the short and the long requests fared:
-- slo: chunks sized step by step so that decodes keep to their time per token, short
-  prompts first when their first-token deadline is nearer; when nobody else waits, the long
-  prompt gets whole steps;
-- fcfs with fixed chunks (an eighth of the budget, fulcrum's default): short requests never
-  wait long, but the long prompt pays for its small chunks even when it is alone;
+- slo (fulcrum's default): chunks sized step by step so that decodes keep to their time per
+  token, short prompts first when their first-token deadline is nearer; when nobody else
+  waits, the long prompt gets whole steps;
+- fcfs with fixed chunks (an eighth of the budget): short requests never wait long, but the
+  long prompt pays for its small chunks even when it is alone;
 - no chunking: the long prompt in one piece, every short request queued behind it.
 """
 
@@ -99,8 +99,9 @@ def register(subparsers) -> None:
 def modes(budget: int) -> Dict[str, dict]:
     """The three ways to run the schedule: label -> engine arguments."""
     chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=budget)
-    return {"slo: chunks sized to latency targets": dict(chunked, scheduling_policy="slo"),
-            f"fcfs (default): fixed chunks of {budget // 8} tokens": dict(
+    return {"slo (default): chunks sized to latency targets": dict(chunked,
+                                                                   scheduling_policy="slo"),
+            f"fcfs: fixed chunks of {budget // 8} tokens": dict(
                 chunked, scheduling_policy="fcfs"),
             "no chunked prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=None,
                                        scheduling_policy="fcfs")}

@@ -133,7 +133,7 @@ class LLMEngine:
         (while requests decode, a step carries at most about half a budget of prompt, so a
         request arriving meanwhile waits for a short step, while a lone long prompt still
         gets whole steps; a looser target speeds long prompts up at the short ones' expense:
-        `fulcrum bench report --engines fulcrum,fulcrum-slo` shows the trade-off)."""
+        `fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows the trade-off)."""
         config = self.config
         full = self.step_time.prefill_seconds(0, config.max_num_batched_tokens)
         derived = SloTargets(4 * full, full / 2) if full > 0 else SloTargets()

@@ -30,8 +30,9 @@ _HELP = {
                                     "no cap)",
     "max_num_partial_prefills": "most prompts part-way through prefill at once (default: as "
                                 "many as their chunks fill a step, budget / threshold)",
-    "scheduling_policy": "fcfs (default), priority (lower value first; may preempt), or slo "
-                         "(meet TTFT/TPOT targets step by step)",
+    "scheduling_policy": "slo (default: meet TTFT/TPOT targets step by step), fcfs (first "
+                         "come, first served, fixed chunks), or priority (lower value first; "
+                         "may preempt; fixed chunks)",
     "slo_ttft_ms": "time-to-first-token target of requests that set none (default: 4 "
                    "full-budget steps, measured at start-up)",
     "slo_tpot_ms": "time-per-output-token target of requests that set none (default: half "

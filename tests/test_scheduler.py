@@ -204,9 +204,10 @@ def test_auto_threshold_with_several_partial_prefills():
 
 
 def test_default_chunk_is_an_eighth_of_the_budget_and_partial_chunks_fill_a_step():
-    slo = EngineConfig(scheduling_policy="slo").resolve(1000)
+    slo = EngineConfig().resolve(1000)
+    assert slo.scheduling_policy == "slo"  # the default
     assert slo.long_prefill_token_threshold == 0  # slo: no fixed cap
-    config = EngineConfig().resolve(1000)
+    config = EngineConfig(scheduling_policy="fcfs").resolve(1000)
     assert config.long_prefill_token_threshold == 64
     assert config.max_num_partial_prefills == 8
     small = EngineConfig(max_num_batched_tokens=100, scheduling_policy="fcfs").resolve(1000)
@@ -215,8 +216,8 @@ def test_default_chunk_is_an_eighth_of_the_budget_and_partial_chunks_fill_a_step
     assert (whole.long_prefill_token_threshold, whole.max_num_partial_prefills) == (0, 1)
     explicit = EngineConfig(long_prefill_token_threshold=100, max_num_partial_prefills=2)
     assert explicit.resolve(1000).max_num_partial_prefills == 2
-    assert EngineConfig(long_prefill_token_threshold=128).resolve(1000) \
-        .max_num_partial_prefills == 4
+    assert EngineConfig(long_prefill_token_threshold=128, scheduling_policy="fcfs") \
+        .resolve(1000).max_num_partial_prefills == 4
     slo = EngineConfig(max_num_seqs=32, scheduling_policy="slo").resolve(1000)
     assert (slo.long_prefill_token_threshold, slo.max_num_partial_prefills) == (0, 32)
 

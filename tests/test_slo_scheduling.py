@@ -255,7 +255,8 @@ def test_slo_targets_per_engine_and_per_request(llama_dir):
     assert output.metrics.slo == SloTargets(1.5, 0.25)
     configured = LLM(str(llama_dir), scheduling_policy="slo", slo_ttft_ms=300, slo_tpot_ms=40)
     assert configured.llm_engine.slo_defaults == SloTargets(0.3, 0.04)
-    fixed = LLM(str(llama_dir))  # fcfs: nothing profiled, no targets unless given
+    assert LLM(str(llama_dir)).llm_engine.config.scheduling_policy == "slo"  # the default
+    fixed = LLM(str(llama_dir), scheduling_policy="fcfs")  # nothing profiled, no targets
     assert fixed.llm_engine.slo_defaults == SloTargets()
     for bad in (0, -5, float("nan"), "fast"):
         with pytest.raises(ValueError, match="slo_ttft_ms must be a positive number"):

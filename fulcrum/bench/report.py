@@ -50,7 +50,7 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
 # Server flags of each fulcrum variant on top of the common ones.
 FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
-    "fulcrum": (), "fulcrum-slo": ("--scheduling-policy", "slo"),
+    "fulcrum": (), "fulcrum-fcfs": ("--scheduling-policy", "fcfs"),
     "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
     "fulcrum-static": ("--batching-mode", "static")}
 # vLLM with its defaults, and with the setting that serves the mixed workload best (a smaller
@@ -60,9 +60,10 @@ VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
                                "--long-prefill-token-threshold", "256")}
 ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS)
 DESCRIPTIONS = {
-    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, fcfs "
-               "with chunks of an eighth of the budget)",
-    "fulcrum-slo": "fulcrum serve --scheduling-policy slo (chunks sized to latency targets)",
+    "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, slo "
+               "policy: chunks sized to latency targets derived at start-up)",
+    "fulcrum-fcfs": "fulcrum serve --scheduling-policy fcfs (fixed chunks of an eighth of the "
+                    "budget)",
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
@@ -351,7 +352,7 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         f"Model: {setup['model']} ({setup['weights']} weights; {setup['model_shape']}), "
         f"max_model_len {setup['max_model_len']}.", "",
         "| engine | what runs | dtype |", "|---|---|---|"]
-    lines += [f"| {e} | {DESCRIPTIONS[e]} | "
+    lines += [f"| {e} | {DESCRIPTIONS.get(e, e)} | "
               f"{VLLM_DTYPE if e in VLLM_VARIANTS else FULCRUM_DTYPE} |" for e in results]
     if setup.get("vllm_note"):
         lines += ["", setup["vllm_note"]]
