@@ -66,6 +66,15 @@ class EngineConfig:
     max_logprobs: int = 20
     max_n: int = 128
     max_queued_requests: int = 1024
+    # A model's own sampling defaults: "auto" (its generation_config.json, if any), "vllm"
+    # (none: the library's), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # vLLM launch arguments with the only value fulcrum supports today (one process, one
+    # device), accepted so that vLLM commands carry over; any other value is refused.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self._check_ranges()
@@ -96,6 +105,10 @@ class EngineConfig:
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a positive number of milliseconds, "
                                  f"got {value!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet: fulcrum "
+                                 "runs one process on one device (only 1 is accepted)")
         if self.batching_mode not in ("continuous", "static"):
             raise ValueError(
                 f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")

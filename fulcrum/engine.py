@@ -20,6 +20,7 @@ from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
+from fulcrum.generation_config import load_generation_defaults
 from fulcrum.model_loader import load_hf_config, load_model, resolve_dtype
 from fulcrum.models import model_class
 from fulcrum.model_runner import ModelRunner
@@ -59,6 +60,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.tokenizer or model_dir)
+        # Sampling defaults of the model's own (for fields a request leaves unset).
+        self.generation_defaults = load_generation_defaults(config.generation_config, model_dir)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, hf_config))
         spec = model_class(hf_config).spec_from_config(hf_config)
@@ -225,6 +228,16 @@ class LLMEngine:
             raise ValueError("cache_salt must be a non-empty string")
         return salt
 
+    def validate_priority(self, priority: int) -> None:
+        """A priority only the priority policy reads is refused elsewhere (as vLLM does),
+        rather than accepted and silently ignored."""
+        if not _is_int(priority):
+            raise TypeError("priority must be an integer")
+        policy = self.config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority'; this "
+                             f"engine runs {policy!r}, which does not read priorities")
+
     def add_request(self, request_id: Optional[str], prompt: PromptType,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                     priority: int = 0) -> str:
@@ -232,8 +245,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        if not _is_int(priority):
-            raise TypeError("priority must be an integer")
+        self.validate_priority(priority)
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         max_tokens = self.validate_params(params, len(token_ids))

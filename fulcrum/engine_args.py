@@ -50,6 +50,11 @@ _HELP = {
     "max_n": "most completions (n) one request may ask for (default 128)",
     "max_queued_requests": "most requests waiting to run; the server answers 503 with "
                            "Retry-After beyond it (default 1024)",
+    "generation_config": "sampling defaults for unset request fields: auto (the model's "
+                         "generation_config.json), vllm (none), or a folder holding one",
+    "tensor_parallel_size": "vLLM's; only 1 (one device) is supported today",
+    "pipeline_parallel_size": "vLLM's; only 1 (one device) is supported today",
+    "enforce_eager": "vLLM's; fulcrum captures no graphs and always runs eagerly",
 }
 
 

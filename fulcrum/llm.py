@@ -30,14 +30,23 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the library's defaults with the
+        model's generation_config.json on top (see `generation_config`)."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
                  slo_ttft_ms: Optional[float] = None,
-                 slo_tpot_ms: Optional[float] = None) -> List[RequestOutput]:
+                 slo_tpot_ms: Optional[float] = None,
+                 lora_request: None = None) -> List[RequestOutput]:
         """Outputs in the order of `prompts`. Every prompt is checked before any is queued.
         `slo_ttft_ms` / `slo_tpot_ms` set the latency targets of every prompt (overriding
-        those of its SamplingParams)."""
+        those of its SamplingParams). `lora_request` is vLLM's; fulcrum serves no adapters,
+        so only None is accepted."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: fulcrum serves no LoRA adapters")
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         targets = {k: v for k, v in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms))
@@ -47,10 +56,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
-        for prompt, params in zip(prompt_list, params_list):
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             token_ids = engine.tokenize_prompt(prompt)[1]
             engine.validate_prompt(token_ids)
             engine.validate_params(params, len(token_ids))
+            engine.validate_priority(priority[i] if priority is not None else 0)
             engine.cache_salt(prompt)
         ids = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
@@ -64,21 +74,23 @@ class LLM:
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> List[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them;
+        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
-                                                 chat_template)
+                                                 chat_template, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_per_prompt(self, sampling_params, count: int) -> List[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params = list(sampling_params)

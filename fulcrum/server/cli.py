@@ -41,6 +41,11 @@ def register(subparsers) -> None:
                              "before they are aborted (default 30)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (off: refused)")
+    server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                        default=False, help="log each request's prompt lengths and sampling "
+                                            "parameters (vLLM's flag; default off)")
+    server.add_argument("--disable-log-requests", dest="enable_log_requests",
+                        action="store_false", help="vLLM's older spelling of the default")
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model argument)")
     server.add_argument("--uvicorn-log-level", default="info",
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
     app = build_app(async_llm, served_model_name(args), api_keys(args),
-                    args.max_request_body_bytes, args.trust_request_chat_template)
+                    args.max_request_body_bytes, args.trust_request_chat_template,
+                    args.enable_log_requests)
     try:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

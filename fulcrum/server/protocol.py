@@ -1,15 +1,16 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's and vLLM's names.
 
-Unknown request fields are ignored, as in vLLM, so clients written for OpenAI or vLLM work
-unchanged; fields that would change the result but are not supported are rejected.
+Unknown request fields are logged and otherwise ignored, as in vLLM, so clients written for
+OpenAI or vLLM work unchanged; fields that would change the result but are not supported are
+rejected with a 400 naming the field, never dropped silently.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.sampling_params import SamplingParams
 
@@ -22,8 +23,19 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# OpenAI's and vLLM's fields that change what is generated and that fulcrum cannot honour yet:
+# a request that sets one is refused (400 naming it) rather than answered differently.
+UNSUPPORTED_FIELDS = ("tools", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words",
+                      "prompt_logprobs", "truncate_prompt_tokens")
+# Sampling fields a model's generation_config.json may default (see generation_config.py).
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class SamplingRequest(BaseModel):
     """Fields that completions and chat completions share, vLLM's extras included."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged
 
     model: Optional[str] = None
     n: int = 1
@@ -51,19 +63,50 @@ class SamplingRequest(BaseModel):
     # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
+    # Set by clients of OpenAI's or vLLM's API; refused until supported (see unsupported()).
+    response_format: Optional[Dict[str, Any]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    structured_outputs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
 
-    def unsupported(self) -> Optional[str]:
-        """Why this request cannot be served as asked, if it cannot."""
+    def unsupported(self) -> Optional[Tuple[str, str]]:
+        """(field, why) when this request cannot be served as asked."""
         if self.logit_bias:
-            return "logit_bias is not supported"
+            return "logit_bias", "logit_bias is not supported yet"
+        for name in UNSUPPORTED_FIELDS:
+            if getattr(self, name) not in (None, [], {}):
+                return name, (f"{name} is not supported yet: fulcrum would generate without "
+                              "it, so the request is refused rather than answered differently")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return "response_format", (f"response_format of type {kind!r} is not supported "
+                                       "yet (only 'text')")
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice other than 'none' is not supported yet"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
         return None
 
-    def to_sampling_params(self, max_tokens: Optional[int],
-                           logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this request; raises ValueError on out-of-range values."""
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                    "slo_ttft_ms": self.slo_ttft_ms, "slo_tpot_ms": self.slo_tpot_ms}
+    def ignored_fields(self) -> List[str]:
+        """Unknown fields the request carried (logged by the server, as vLLM does)."""
+        return sorted(self.model_extra or {})
+
+    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                           defaults: Optional[Dict[str, Any]] = None) -> SamplingParams:
+        """SamplingParams for this request; fields it leaves unset take `defaults` (the
+        model's generation config). Raises ValueError on out-of-range values."""
+        defaults = defaults or {}
+        optional = {name: getattr(self, name) if getattr(self, name) is not None
+                    else defaults.get(name) for name in DEFAULTABLE}
+        optional.update(slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms)
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, max_tokens=max_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -94,13 +137,13 @@ class CompletionRequest(SamplingRequest):
     suffix: Optional[str] = None
     add_special_tokens: bool = True
 
-    def unsupported(self) -> Optional[str]:
+    def unsupported(self) -> Optional[Tuple[str, str]]:
         if self.suffix:
-            return "suffix is not supported"
+            return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of must equal n (fulcrum does not rank candidates)"
+            return "best_of", "best_of must equal n (fulcrum does not rank candidates)"
         if self.echo and self.logprobs is not None:
-            return "echo with logprobs is not supported (fulcrum computes no prompt logprobs)"
+            return "echo", "echo with logprobs is not supported yet (no prompt logprobs)"
         return super().unsupported()
 
     def prompts(self) -> List[Union[str, List[int]]]:
@@ -174,6 +217,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> Optional[Tuple[str, str]]:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
+        return super().unsupported()
 
 
 class TokenizeRequest(BaseModel):

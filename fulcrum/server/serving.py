@@ -9,6 +9,7 @@ loop; the engine thread only ever sees validated requests.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ EnginePrompt = Tuple[Optional[str], List[int]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
 
+
+logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     """An error the client caused or should know about, sent in OpenAI's error format."""
@@ -236,10 +239,11 @@ class OpenAIServing:
     looping for minutes on the event loop."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, log_requests: bool = False) -> None:
         self.llm = async_llm
         self.model_name = model_name
         self.trust_request_chat_template = trust_request_chat_template
+        self.log_requests = log_requests
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -356,9 +360,15 @@ class OpenAIServing:
         self.check_model(request.model)
         problem = request.unsupported()
         if problem:
-            raise bad_request(problem)
+            raise APIError(400, problem[1], param=problem[0])
+        if request.ignored_fields():
+            logger.warning("ignored unknown request fields: %s", ", ".join(request.ignored_fields()))
+        defaults = self.llm.engine.generation_defaults
+        if not {"max_tokens", "max_completion_tokens"} & request.model_fields_set:
+            max_tokens = defaults.get("max_tokens", max_tokens)
         try:
-            return request.to_sampling_params(max_tokens, logprobs)
+            self.llm.engine.validate_priority(request.priority)
+            return request.to_sampling_params(max_tokens, logprobs, defaults)
         except (ValueError, TypeError) as error:
             raise bad_request(error) from None
 
@@ -378,6 +388,9 @@ class OpenAIServing:
     def _generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
                   request_id: str, request: SamplingRequest,
                   ) -> AsyncIterator[Tuple[int, RequestOutput]]:
+        if self.log_requests:
+            logger.info("request %s: %s prompt tokens, %s", request_id,
+                        [len(ids) for _, ids in prompts], params)
         streams = [self.llm.generate({"prompt": text, "prompt_token_ids": ids,
                                       "cache_salt": request.cache_salt}, params,
                                      f"{request_id}-{i}", request.priority)

@@ -1,0 +1,154 @@
+"""What a vLLM user carries over: the model's generation_config.json defaults, vLLM's launch
+arguments with the one value fulcrum supports, and 400s (never a silently different answer)
+for request fields fulcrum cannot honour yet."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import httpx
+import pytest
+
+from conftest import running_server
+from fulcrum import LLM, SamplingParams
+from fulcrum.cli import build_parser
+from fulcrum.generation_config import load_generation_defaults
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(llama_dir, tmp_path_factory):
+    """The tiny Llama with sampling defaults in its generation_config.json: greedy, 7 tokens."""
+    folder = tmp_path_factory.mktemp("tuned") / "llama"
+    shutil.copytree(llama_dir, folder)
+    config = json.loads((folder / "generation_config.json").read_text()) \
+        if (folder / "generation_config.json").exists() else {}
+    config.update(temperature=0.0, top_k=5, repetition_penalty=1.0, max_new_tokens=7,
+                  do_sample=False)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_generation_config_sources(tuned_dir, tmp_path):
+    expected = {"temperature": 0.0, "top_k": 5, "repetition_penalty": 1.0, "max_tokens": 7}
+    assert load_generation_defaults("auto", str(tuned_dir)) == expected
+    assert load_generation_defaults("vllm", str(tuned_dir)) == {}
+    assert load_generation_defaults(str(tuned_dir), None) == expected  # a folder given
+    assert load_generation_defaults("auto", str(tmp_path)) == {}  # the model has none
+    with pytest.raises(FileNotFoundError, match="no generation_config.json"):
+        load_generation_defaults(str(tmp_path), str(tuned_dir))
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_generation_defaults(str(tmp_path), None)
+
+
+def test_offline_defaults_come_from_the_model(tuned_dir):
+    llm = LLM(str(tuned_dir))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 5, 7)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate([{"prompt_token_ids": PROMPT}],
+                          SamplingParams(temperature=0.0, max_tokens=7), use_tqdm=False)
+    assert len(out.token_ids) == 7 and out.token_ids == greedy[0].outputs[0].token_ids
+    # Explicit SamplingParams win whole, as in vLLM; "vllm" ignores the file.
+    explicit = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=3),
+                            use_tqdm=False)[0].outputs[0]
+    assert len(explicit.token_ids) == 3
+    plain = LLM(str(tuned_dir), generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.max_tokens) == (1.0, 16)
+
+
+def test_vllm_launch_arguments_with_the_supported_value(llama_dir):
+    llm = LLM(str(llama_dir), tensor_parallel_size=1, pipeline_parallel_size=1,
+              enforce_eager=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2),
+                       use_tqdm=False, lora_request=None)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
+        LLM(str(llama_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is not supported yet"):
+        LLM(str(llama_dir), pipeline_parallel_size=4)
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate([{"prompt_token_ids": PROMPT}], lora_request=object())
+    with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
+        llm.generate([{"prompt_token_ids": PROMPT}], priority=[1])
+    assert not llm.llm_engine.has_unfinished_requests()
+    args = build_parser().parse_args(["serve", "--disable-log-requests",
+                                      "--tensor-parallel-size", "1", "--enforce-eager"])
+    assert (args.enable_log_requests, args.tensor_parallel_size, args.enforce_eager) == \
+        (False, 1, True)
+    assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
+
+
+def test_chat_template_kwargs_reach_the_template(llama_dir):
+    llm = LLM(str(llama_dir))
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = llm.chat([{"role": "user", "content": "there"}], SamplingParams(max_tokens=1),
+                   use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"greeting": "Hello "})
+    assert out[0].prompt == "Hello there"
+
+
+@pytest.fixture(scope="module")
+def tuned_server(tuned_dir):
+    with running_server(tuned_dir, app_kwargs={"log_requests": True}) as (server, _):
+        yield server
+
+
+def test_server_applies_the_model_defaults_to_unset_fields(tuned_server):
+    url = tuned_server.url + "/v1/completions"
+    unset = httpx.post(url, json={"prompt": PROMPT}).json()
+    greedy = httpx.post(url, json={"prompt": PROMPT, "temperature": 0, "max_tokens": 7}).json()
+    assert unset["usage"]["completion_tokens"] == 7
+    assert unset["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}).json()[
+        "usage"]["completion_tokens"] == 2
+    chat = httpx.post(tuned_server.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["usage"]["completion_tokens"] == 7
+
+
+@pytest.mark.parametrize("route,extra,param", [
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("chat", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("completions", {"bad_words": ["x"]}, "bad_words"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_fields_that_would_change_the_answer_are_refused_by_name(tuned_server, route, extra,
+                                                                   param):
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if route == "chat"
+            else {"prompt": PROMPT})
+    reply = httpx.post(f"{tuned_server.url}/v1/{route}" + ("/completions" if route == "chat"
+                                                          else ""), json={**body, **extra})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    assert error["type"] == "BadRequestError"
+
+
+def test_harmless_fields_pass_and_unknown_ones_are_logged(tuned_server, caplog):
+    url = tuned_server.url + "/v1/completions"
+    with caplog.at_level(logging.INFO, logger="fulcrum.server.serving"):
+        reply = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 1, "frobnicate": 1,
+                                      "response_format": {"type": "text"},
+                                      "tool_choice": "none"})
+    assert reply.status_code == 200
+    assert "ignored unknown request fields: frobnicate" in caplog.text
+    assert "prompt tokens" in caplog.text  # --enable-log-requests: one line per request
+    priority = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 1, "priority": 3})
+    assert priority.status_code == 400
+    assert "needs scheduling_policy='priority'" in priority.json()["error"]["message"]
