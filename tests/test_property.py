@@ -109,6 +109,7 @@ def run_scenario(model_dir: str, reference: Reference, config: dict, schedule: l
     engine = LLM(model_dir, **config).llm_engine
     kv = engine.block_manager
     budget = engine.config.max_num_batched_tokens
+    by_priority = engine.config.scheduling_policy == "priority"
 
     expected: Dict[str, dict] = {}
     live: List[str] = []
@@ -127,7 +128,8 @@ def run_scenario(model_dir: str, reference: Reference, config: dict, schedule: l
                 engine.add_request(rid, {"prompt_token_ids": prompt_of(spec),
                                          "cache_salt": spec["salt"]},
                                    params(spec["seed"], spec["max_tokens"], stop_ids),
-                                   priority=spec["priority"])
+                                   # Only the priority policy takes priorities (as vLLM).
+                                   priority=spec["priority"] if by_priority else 0)
                 expected[rid] = dict(spec, ref=ref, stop_ids=stop_ids or [])
                 live.append(rid)
             for pick in aborts[:abort_rate]:

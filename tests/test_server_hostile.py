@@ -452,7 +452,6 @@ BOUNDARY = [
     ("seed-int64-min", COMPLETIONS, dict(seed=-2**63), 1),
     ("logprobs-20", COMPLETIONS, dict(logprobs=20), 1),
     ("top-logprobs-20", CHAT, dict(logprobs=True, top_logprobs=20), 1),
-    ("top-logprobs-without-logprobs", CHAT, dict(top_logprobs=5), 1),
     ("n-128", COMPLETIONS, dict(n=128, max_tokens=1), 128),
     ("stop-64-strings", COMPLETIONS, dict(stop=STOP_65[:64]), 1),
     ("stop-string-1024-chars", CHAT, dict(stop=["a" * 1024]), 1),
