@@ -75,6 +75,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(token_id)
 
+    @staticmethod
+    def load_chat_template(value: str) -> str:
+        """A chat template given as vLLM's `--chat-template` takes it: a file's path or the
+        template itself; a template that does not compile is refused at once."""
+        path = Path(value)
+        try:
+            template = path.read_text() if path.is_file() else value
+        except OSError as error:
+            raise ValueError(f"cannot read chat template {value!r}: {error}") from None
+        try:
+            jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+        except jinja2.TemplateSyntaxError as error:
+            raise ValueError(f"chat template {value[:80]!r} does not compile: {error}") from None
+        return template
+
     def apply_chat_template(self, messages: List[Dict[str, Any]],
                             add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, **kwargs: Any) -> str:

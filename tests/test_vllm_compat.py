@@ -152,3 +152,30 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(tuned_server, caplog):
     priority = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 1, "priority": 3})
     assert priority.status_code == 400
     assert "needs scheduling_policy='priority'" in priority.json()["error"]["message"]
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    from fulcrum.tokenizer import Tokenizer
+
+    template = "SYS{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert Tokenizer.load_chat_template(str(tmp_path / "t.jinja")) == template
+    assert Tokenizer.load_chat_template(template) == template
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer.load_chat_template("{% for m in messages %}")
+    args = build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "t.jinja")])
+    assert args.chat_template == str(tmp_path / "t.jinja")
+
+
+def test_server_template_renders_text_parts_one_a_line(llama_dir):
+    template = "SYS{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    with running_server(llama_dir, app_kwargs={"chat_template": template}) as (server, _):
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        tokens = httpx.post(server.url + "/tokenize", json={
+            "messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert text == "SYS[a\nb]"
+        image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+        refused = httpx.post(server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": image}], "max_tokens": 1})
+        assert refused.status_code == 400 and "text-only" in refused.text

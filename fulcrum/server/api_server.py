@@ -104,12 +104,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str,
               api_key: Union[None, str, Sequence[str]] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               trust_request_chat_template: bool = False,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, chat_template: Optional[str] = None) -> FastAPI:
     """The server's app. `api_key`: one key or several; None or empty leaves /v1 open."""
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine")
     serving = OpenAIServing(async_llm, served_model_name, trust_request_chat_template,
-                            log_requests)
+                            log_requests, chat_template)
     metrics = ServerMetrics(async_llm, served_model_name)
     app.state.async_llm = async_llm
     app.state.metrics = metrics

@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, seconds requests in flight get to finish "
                              "before they are aborted (default 30)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the chat template to use instead of the model's: a file or "
+                             "the Jinja template itself (vLLM's flag)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (off: refused)")
     server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
@@ -71,11 +74,13 @@ def api_keys(args: argparse.Namespace) -> List[str]:
 def run(args: argparse.Namespace) -> int:
     from fulcrum.async_engine import AsyncLLM
     from fulcrum.server.api_server import build_app, serve
+    from fulcrum.tokenizer import Tokenizer
 
+    template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
     app = build_app(async_llm, served_model_name(args), api_keys(args),
                     args.max_request_body_bytes, args.trust_request_chat_template,
-                    args.enable_log_requests)
+                    args.enable_log_requests, template)
     try:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

@@ -189,10 +189,11 @@ class ChatMessage(BaseModel):
         return self
 
     def template_dict(self) -> Dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
+        """The message as the chat template sees it: text parts joined into one string, one
+        part a line (as vLLM joins them)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text or "" for part in content)
+            content = "\n".join(part.text or "" for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

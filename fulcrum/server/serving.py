@@ -239,9 +239,11 @@ class OpenAIServing:
     looping for minutes on the event loop."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str,
-                 trust_request_chat_template: bool = False, log_requests: bool = False) -> None:
+                 trust_request_chat_template: bool = False, log_requests: bool = False,
+                 chat_template: Optional[str] = None) -> None:
         self.llm = async_llm
         self.model_name = model_name
+        self.chat_template = chat_template  # the server's, over the model's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
 
@@ -347,7 +349,8 @@ class OpenAIServing:
         tokenizer = self.llm.tokenizer
         try:
             text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
-                                                 add_generation_prompt, chat_template,
+                                                 add_generation_prompt,
+                                                 chat_template or self.chat_template,
                                                  **(template_kwargs or {}))
             token_ids = self.llm.engine.encode(text, add_special_tokens=False)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids})
