@@ -47,6 +47,12 @@ class StepShape:
         self.prefill_attention += num_tokens * (start + num_tokens / 2)
         self.num_seqs += 1
 
+    @classmethod
+    def of_decodes(cls, contexts: List[int]) -> "StepShape":
+        """A step of decodes alone, one per context length."""
+        return cls(decode_tokens=len(contexts), decode_context=sum(contexts),
+                   num_seqs=len(contexts))
+
     def add_decode(self, context: int) -> None:
         self.decode_tokens += 1
         self.decode_context += context

@@ -110,3 +110,11 @@ def test_one_stalled_step_barely_moves_the_model():
     for _ in range(20):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(truth(shape), rel=0.25)
+
+
+def test_a_decode_step_built_at_once_equals_one_built_decode_by_decode():
+    one_by_one = StepShape()
+    for context in (3, 5, 40):
+        one_by_one.add_decode(context)
+    assert StepShape.of_decodes([3, 5, 40]) == one_by_one
+    assert StepShape.of_decodes([]).is_empty
