@@ -19,8 +19,8 @@ from fulcrum.attention import make_backend
 from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
-from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
 from fulcrum.generation_config import load_generation_defaults
+from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
 from fulcrum.model_loader import load_hf_config, load_model, resolve_dtype
 from fulcrum.models import model_class
 from fulcrum.model_runner import ModelRunner
@@ -124,9 +124,10 @@ class LLMEngine:
         count = max(1, min(8, config.max_num_seqs - 2, config.max_num_batched_tokens // short_len))
         ids = itertools.count(1)
         tokens = lambda n: [next(ids) % self.vocab_size for _ in range(n)]  # noqa: E731
-        return ([("fulcrum-profile-long", tokens(long_len), max(1, min(8, room - long_len))),
+        outputs = lambda n, wanted: max(1, min(wanted, room - n))  # noqa: E731
+        return ([("fulcrum-profile-long", tokens(long_len), outputs(long_len, 8)),
                  ("fulcrum-profile-medium", tokens(max(1, long_len // 4)), 2)]
-                + [(f"fulcrum-profile-{i}", tokens(short_len), max(1, min(2 + i % 4, room - short_len)))
+                + [(f"fulcrum-profile-{i}", tokens(short_len), outputs(short_len, 2 + i % 4))
                    for i in range(count)])
 
     def _resolve_slo_defaults(self) -> SloTargets:

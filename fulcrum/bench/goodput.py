@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,15 +59,14 @@ def traffic(rate: float, count: int, input_len: int, output_len: int, burstiness
 
 def measure(base_url: str, loads: Sequence[Tuple[float, list]],
             slo: Dict[str, float]) -> List[Dict[str, Any]]:
-    from fulcrum.bench.serve import make_client, run_load, served_model
+    from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 
     async def main() -> List[Dict[str, Any]]:
         url = base_url + "/v1/completions"
         points = []
         async with make_client() as client:
             model = await served_model(client, base_url)
-            warmup = [(0.0, SampleRequest(list(range(16)), 16, 4))] * 2
-            await run_load(client, url, model, warmup, show_progress=False)
+            await warm_up(client, url, model)
             for rate, load in loads:
                 timelines, duration = await run_load(client, url, model, load,
                                                      show_progress=False)
@@ -113,15 +113,35 @@ def table(results: Dict[str, Any], rates: Sequence[float]) -> str:
     return "\n".join(lines)
 
 
+def rate_table(results: Dict[str, Any], rates: Sequence[float],
+               cell: Callable[[Dict[str, Any]], str]) -> List[str]:
+    """A markdown table: one row per engine that ran, one `cell(point)` per rate."""
+    lines = ["| engine | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+             "|---|" + "---:|" * len(rates)]
+    return lines + [f"| {name} | " + " | ".join(cell(p) for p in outcome["points"]) + " |"
+                    for name, outcome in results.items() if "points" in outcome]
+
+
 def latency_table(results: Dict[str, Any], rates: Sequence[float]) -> str:
-    head = "| engine | " + " | ".join(f"{r:g} req/s" for r in rates) + " |"
-    lines = [head, "|---|" + "---:|" * len(rates)]
-    for name, outcome in results.items():
-        if "points" in outcome:
-            lines.append(f"| {name} | " + " | ".join(
-                f"{p['ttft_p99_ms']:.0f} / {p['tpot_p99_ms']:.0f}" for p in outcome["points"])
-                + " |")
-    return "\n".join(lines)
+    return "\n".join(rate_table(results, rates, lambda p: f"{p['ttft_p99_ms']:.0f} / "
+                                                      f"{p['tpot_p99_ms']:.0f}"))
+
+
+def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
+    """The section docs/performance.md shows of these results (links relative to page_dir)."""
+    setup = data["setup"]
+    relative = lambda p: os.path.relpath(p, page_dir)  # noqa: E731
+    return ["", "## Goodput against offered load", "",
+            f"{setup['traffic']}; a request counts when TTFT <= {setup['slo']['ttft']:g} ms and "
+            f"TPOT <= {setup['slo']['tpot']:g} ms (vLLM's `--goodput`). `fulcrum-slo` is given "
+            "the same targets; `fulcrum-fcfs-N` is the fixed rule with a budget of N tokens "
+            f"(best of the sweep: {data.get('best_fixed_budget') or 'none'}). "
+            f"{setup['machine']['date']}; full tables in "
+            f"[goodput.md]({relative(json_path.with_suffix('.md'))}), "
+            "`bash benchmarks/goodput.sh` regenerates them.", "",
+            *rate_table(data["results"], setup["rates"],
+                        lambda p: f"{100 * p['goodput_share']:.0f}%"),
+            "", f"![goodput]({relative(json_path.with_suffix('.png'))})"]
 
 
 def plot(results: Dict[str, Any], shown: Sequence[str], path: Path, title: str) -> None:

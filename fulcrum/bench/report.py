@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fulcrum.bench.arrivals import Schedule, schedule
-from fulcrum.bench.datasets import LONG, SHORT, SampleRequest, random_requests
+from fulcrum.bench.datasets import LONG, SHORT, random_requests
 from fulcrum.bench.metrics import ALL, report_by_group
 from fulcrum.bench.shapes import DEFAULT_SHAPE, shape_dir
 
@@ -205,14 +205,13 @@ def serve_runs(base_url: str, repeats: List[Dict[str, Schedule]]) -> Dict[str, A
     """Warm up, then each workload once per repeat: {workload: [{metrics, reports}, ...]}.
 
     Each repeat has its own prompts: repeating the same ones would measure the prefix cache."""
-    from fulcrum.bench.serve import make_client, run_load, served_model
+    from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 
     async def main() -> Dict[str, Any]:
         url = base_url + "/v1/completions"
         async with make_client() as client:
             model = await served_model(client, base_url)
-            warmup = [(0.0, SampleRequest(list(range(16)), 16, 4))] * 2
-            await run_load(client, url, model, warmup, show_progress=False)
+            await warm_up(client, url, model)
             runs: Dict[str, Any] = {}
             for name in repeats[0]:
                 runs[name] = []
@@ -398,35 +397,13 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
                   "against the short requests' TTFT p99 (left) and TPOT p99 (right), Pareto "
                   f"front in red ([table]({table}); `bash benchmarks/sweep_mixed.sh` "
                   "regenerates it).", "", f"![sweep]({setup['sweep_plot']})"]
-    lines += _goodput_section(md_path)
+    if GOODPUT_JSON.exists():
+        from fulcrum.bench.goodput import summary
+
+        lines += summary(json.loads(GOODPUT_JSON.read_text()), GOODPUT_JSON,
+                         md_path.resolve().parent)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
-
-
-def _goodput_section(md_path: Path) -> List[str]:
-    """The goodput-vs-load benchmark's summary, read from its own result file (it runs
-    separately: `bash benchmarks/goodput.sh`)."""
-    if not GOODPUT_JSON.exists():
-        return []
-    data = json.loads(GOODPUT_JSON.read_text())
-    setup, results = data["setup"], data["results"]
-    relative = lambda p: os.path.relpath(p, md_path.resolve().parent)  # noqa: E731
-    rates = setup["rates"]
-    lines = ["", "## Goodput against offered load", "",
-             f"{setup['traffic']}; a request counts when TTFT <= {setup['slo']['ttft']:g} ms and "
-             f"TPOT <= {setup['slo']['tpot']:g} ms (vLLM's `--goodput`). `fulcrum-slo` is given "
-             "the same targets; `fulcrum-fcfs-N` is the fixed rule with a budget of N tokens "
-             f"(best of the sweep: {data.get('best_fixed_budget') or 'none'}). "
-             f"{setup['machine']['date']}; full tables in "
-             f"[goodput.md]({relative(GOODPUT_JSON.with_suffix('.md'))}), "
-             "`bash benchmarks/goodput.sh` regenerates them.", "",
-             "| engine | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
-             "|---|" + "---:|" * len(rates)]
-    for name, outcome in results.items():
-        if "points" in outcome:
-            lines.append(f"| {name} | " + " | ".join(
-                f"{100 * p['goodput_share']:.0f}%" for p in outcome["points"]) + " |")
-    return lines + ["", f"![goodput]({relative(GOODPUT_JSON.with_suffix('.png'))})"]
 
 
 def _failures(results: Dict[str, Any], workload: str) -> List[str]:

@@ -64,6 +64,12 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str,
     return timeline
 
 
+async def warm_up(client: httpx.AsyncClient, url: str, model: str) -> None:
+    """Two small requests first, so a server's one-off start-up costs land on no measurement."""
+    await run_load(client, url, model, [(0.0, SampleRequest(list(range(16)), 16, 4))] * 2,
+                   show_progress=False)
+
+
 async def run_load(client: httpx.AsyncClient, url: str, model: str, timed: Schedule,
                    max_concurrency: Optional[int] = None,
                    show_progress: bool = True) -> Tuple[List[RequestTimeline], float]:

@@ -364,8 +364,9 @@ class OpenAIServing:
         problem = request.unsupported()
         if problem:
             raise APIError(400, problem[1], param=problem[0])
-        if request.ignored_fields():
-            logger.warning("ignored unknown request fields: %s", ", ".join(request.ignored_fields()))
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.warning("ignored unknown request fields: %s", ", ".join(ignored))
         defaults = self.llm.engine.generation_defaults
         if not {"max_tokens", "max_completion_tokens"} & request.model_fields_set:
             max_tokens = defaults.get("max_tokens", max_tokens)
