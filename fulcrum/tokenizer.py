@@ -75,6 +75,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(token_id)
 
+    def vocab(self) -> Dict[str, int]:
+        """Every token's string (as tokenizer.json spells it) and id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The whole tokenizer.json, which says how token strings spell bytes."""
+        return self._tok.to_str()
+
     @staticmethod
     def load_chat_template(value: str) -> str:
         """A chat template given as vLLM's `--chat-template` takes it: a file's path or the

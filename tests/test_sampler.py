@@ -8,11 +8,12 @@ import shutil
 from collections import Counter
 from typing import List, Optional
 
+import numpy as np
 import pytest
 import torch
 
 from fulcrum import LLM
-from fulcrum.sampler import Sampler, SamplingRow
+from fulcrum.sampler import Sampler, SamplingRow, _inverse_cdf
 from fulcrum.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -383,3 +384,30 @@ def test_preempted_seeded_request_matches_its_solo_run(llama_dir):
     solo, crowded = preemption_run(
         llama_dir, SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True))
     assert crowded.outputs[0].token_ids == solo.outputs[0].token_ids
+
+
+# ------------------------------------------------------------ inverse CDF
+def test_inverse_cdf_matches_a_float64_prefix_sum_everywhere():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(3, 1000, generator=generator) ** 8  # many tiny probabilities
+    probs[:, 500:700] = 0.0  # masked tokens
+    probs /= probs.sum(dim=-1, keepdim=True)
+    u = torch.rand(3, 400, generator=generator, dtype=torch.float64)
+    cdf, draws = probs.double().cumsum(dim=-1).numpy(), u.numpy()
+    for i in range(3):
+        tokens = [int(_inverse_cdf(probs[i:i + 1], u[i, j].view(1, 1), block=64))
+                  for j in range(400)]
+        expected = np.searchsorted(cdf[i], draws[i] * cdf[i, -1], side="right").tolist()
+        assert tokens == expected
+
+
+def test_inverse_cdf_never_draws_a_token_of_probability_zero():
+    probs = torch.zeros(2, 300)
+    probs[0, [3, 250]] = torch.tensor([0.25, 0.75])  # 250 sits in a partial last block
+    probs[1, 299] = 1.0
+    edges = torch.tensor([[0.0], [1.0 - 2 ** -53]], dtype=torch.float64)
+    for u in edges:
+        tokens = _inverse_cdf(probs, u.expand(2, 1), block=128).tolist()
+        assert tokens[0] in (3, 250) and tokens[1] == 299
+    assert _inverse_cdf(probs, edges[:1].expand(2, 1), block=128).tolist() == [3, 299]
+    assert _inverse_cdf(probs, edges[1:].expand(2, 1), block=128).tolist() == [250, 299]

@@ -112,14 +112,8 @@ def test_server_applies_the_model_defaults_to_unset_fields(tuned_server):
 
 
 @pytest.mark.parametrize("route,extra,param", [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
-    ("chat", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completions", {"bad_words": ["x"]}, "bad_words"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),

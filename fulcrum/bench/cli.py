@@ -1,6 +1,6 @@
-"""`fulcrum bench serve | throughput | sweep | report | goodput | stress`: argument wiring only; the work
-is in the sibling modules. Without a model folder, throughput and sweep use a real model's shape
-with dummy weights (see shapes.py)."""
+"""`fulcrum bench serve | throughput | sweep | report | goodput | stress | structured`:
+argument wiring only; the work is in the sibling modules. Without a model folder, throughput
+and sweep use a real model's shape with dummy weights (see shapes.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def register(subparsers) -> None:
     _register_report(commands)
     _register_goodput(commands)
     _register_stress(commands)
+    _register_structured(commands)
 
 
 def _register_serve(commands) -> None:
@@ -129,6 +130,18 @@ def _register_goodput(commands) -> None:
                     "goodput.png.")
     add_goodput_args(parser)
     parser.set_defaults(func=run_goodput)
+
+
+def _register_structured(commands) -> None:
+    from fulcrum.bench.structured import add_args, run_structured
+
+    parser = commands.add_parser(
+        "structured", help="what structured outputs cost a decode step",
+        description="Decode a batch in-process unconstrained and under a JSON schema, runs "
+                    "alternating; report the median step time of each and the difference. "
+                    "Writes structured_outputs.json and structured_outputs.md.")
+    add_args(parser)
+    parser.set_defaults(func=run_structured)
 
 
 def _register_stress(commands) -> None:

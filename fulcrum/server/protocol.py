@@ -12,10 +12,18 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
+
+
+class FieldError(ValueError):
+    """A malformed request field: the 400 names it in `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -25,9 +33,11 @@ class StreamOptions(BaseModel):
 
 # OpenAI's and vLLM's fields that change what is generated and that fulcrum cannot honour yet:
 # a request that sets one is refused (400 naming it) rather than answered differently.
-UNSUPPORTED_FIELDS = ("tools", "structured_outputs", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words",
-                      "prompt_logprobs", "truncate_prompt_tokens")
+UNSUPPORTED_FIELDS = ("tools", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                      "truncate_prompt_tokens")
+# vLLM's older per-kind fields of structured outputs -> the StructuredOutputsParams field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 # Sampling fields a model's generation_config.json may default (see generation_config.py).
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -63,15 +73,18 @@ class SamplingRequest(BaseModel):
     # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
-    # Set by clients of OpenAI's or vLLM's API; refused until supported (see unsupported()).
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them).
     response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    # Set by clients of OpenAI's or vLLM's API; refused until supported (see unsupported()).
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     tools: Optional[List[Dict[str, Any]]] = None
-    structured_outputs: Optional[Any] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
     allowed_token_ids: Optional[Any] = None
     bad_words: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
@@ -85,15 +98,50 @@ class SamplingRequest(BaseModel):
             if getattr(self, name) not in (None, [], {}):
                 return name, (f"{name} is not supported yet: fulcrum would generate without "
                               "it, so the request is refused rather than answered differently")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            return "response_format", (f"response_format of type {kind!r} is not supported "
-                                       "yet (only 'text')")
+        if self.guided_whitespace_pattern is not None:
+            return "guided_whitespace_pattern", ("guided_whitespace_pattern is not supported; "
+                                                 "structured_outputs.disable_any_whitespace is")
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice other than 'none' is not supported yet"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
+
+    def structured_output_params(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint from whichever of response_format, structured_outputs and
+        guided_* the request set; ValueError if it set several or one is malformed."""
+        given = {}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise FieldError("response_format", "response_format of type 'json_schema' "
+                                 "needs json_schema.schema")
+            given["response_format"] = {"json": spec["schema"]}
+        elif kind != "text":
+            raise FieldError("response_format", "response_format type must be 'text', "
+                             f"'json_object' or 'json_schema', got {kind!r}")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name, field in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given[name] = {field: getattr(self, name)}
+        if len(given) > 1:
+            raise FieldError(list(given)[1], "at most one output constraint per request; got "
+                             f"{', '.join(given)}")
+        if not given:
+            return None
+        (name, fields), = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError:
+            known = ", ".join(StructuredOutputsParams.__dataclass_fields__)
+            raise FieldError(name, f"{name} takes only {known}; got "
+                             f"{', '.join(fields)}") from None
+        except ValueError as error:
+            raise FieldError(name, f"{name}: {error}") from None
 
     def ignored_fields(self) -> List[str]:
         """Unknown fields the request carried (logged by the server, as vLLM does)."""
@@ -114,6 +162,7 @@ class SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_output_params(),
             **{k: v for k, v in optional.items() if v is not None})
 
     @property

@@ -63,7 +63,7 @@ class APIError(Exception):
 
 
 def bad_request(error: Union[str, Exception]) -> APIError:
-    return APIError(400, str(error))
+    return APIError(400, str(error), param=getattr(error, "param", None))
 
 
 # ------------------------------------------------------------ output bookkeeping

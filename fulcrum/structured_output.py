@@ -1,0 +1,162 @@
+"""Structured outputs: a grammar (JSON schema, regex, choice, EBNF, any JSON) constrains
+which tokens a request may sample next, through xgrammar (what vLLM and SGLang use).
+
+A request's constraint is parsed when it arrives, so a bad schema is refused at once; the
+expensive part, the per-token mask cache, is compiled on a background thread and kept by the
+constraint's source, so a schema that many requests share is compiled once. The request
+waits (the scheduler skips it) until its grammar is ready. Each step the sampler masks the
+logits of every constrained row with one batched bitmask fill, and the engine advances each
+request's matcher by the token it sampled. Preemption keeps a request's generated tokens, so
+its matcher stays where it is and needs no rollback.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import re
+from typing import Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from fulcrum.sampling_params import StructuredOutputsParams
+from fulcrum.tokenizer import Tokenizer
+
+# Compiled grammars kept for reuse, the least recently used dropped first.
+MAX_CACHED_GRAMMARS = 256
+# xgrammar's errors start with a timestamp and its source file: "[12:00:00] /x/y.cc:42: ".
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _message(error: BaseException) -> str:
+    return _LOCATION.sub("", str(error)).strip() or type(error).__name__
+
+
+def _failure(future: concurrent.futures.Future) -> Optional[BaseException]:
+    """What a finished compile raised (cancelled counts), or None."""
+    if not future.done():
+        return None
+    if future.cancelled():
+        return concurrent.futures.CancelledError("the compile was cancelled")
+    return future.exception()
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """How xgrammar reads the vocabulary: each token's bytes, from `tokenizer.json` (byte-level
+    BPE, byte fallback or raw), padded to the model's vocabulary size."""
+    vocab = tokenizer.vocab()
+    encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        encoded[index] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
+    return xgr.TokenizerInfo(encoded[:vocab_size], metadata["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=sorted(tokenizer.eos_token_ids) or None,
+                             add_prefix_space=metadata["add_prefix_space"])
+
+
+class RequestGrammar:
+    """One request's place in its grammar: waits for the compiled grammar, then matches."""
+
+    def __init__(self, compiled: "concurrent.futures.Future[xgr.CompiledGrammar]") -> None:
+        self._compiled = compiled
+        self._matcher: Optional[xgr.GrammarMatcher] = None
+
+    @property
+    def ready(self) -> bool:
+        return self._compiled.done() and _failure(self._compiled) is None
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why compiling failed, once it has."""
+        failure = _failure(self._compiled)
+        return None if failure is None else f"compiling the grammar failed: {_message(failure)}"
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        return self._compiled
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        if self._matcher is None:
+            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: nothing more may come."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Parses constraints and compiles them off the engine thread, one compile per source."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size),
+                                             max_threads=1)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="fulcrum-grammar")
+        self._cache: "collections.OrderedDict[tuple, concurrent.futures.Future]" = \
+            collections.OrderedDict()
+
+    @staticmethod
+    def parse(params: StructuredOutputsParams) -> xgr.Grammar:
+        """The constraint as a grammar; ValueError (naming what is wrong) if it is invalid."""
+        kind = params.kind
+        any_whitespace = not params.disable_any_whitespace
+        try:
+            if kind == "json":
+                return xgr.Grammar.from_json_schema(params.source, any_whitespace=any_whitespace)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(params.regex)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
+                    _ebnf_literal(c) for c in params.choice))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(params.grammar)
+            # json_object: any JSON object (OpenAI's JSON mode), not any JSON value.
+            return xgr.Grammar.from_json_schema('{"type": "object"}',
+                                                any_whitespace=any_whitespace)
+        except RuntimeError as error:
+            raise ValueError(f"invalid {kind} constraint: {_message(error)}") from None
+
+    def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A new request's grammar; its compiled form is shared with every request that has
+        the same constraint."""
+        key = (params.kind, params.source, params.disable_any_whitespace)
+        compiled = self._cache.get(key)
+        if compiled is None or _failure(compiled) is not None:
+            grammar = self.parse(params)
+            compiled = self._executor.submit(self._compiler.compile_grammar, grammar)
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return RequestGrammar(compiled)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes, backslashes and control characters escaped."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(c if c >= " " else f"\\x{ord(c):02x}" for c in escaped) + '"'
+
+
+def apply_grammar_masks(logits: torch.Tensor,
+                        grammars: Sequence[Optional[RequestGrammar]]) -> None:
+    """Set to -inf, in place, the logits of tokens each row's grammar forbids now (rows
+    without a grammar are left alone). One bitmask fill for the whole batch."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)
+    for i in rows:
+        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
+                                    indices=rows)

@@ -1,0 +1,295 @@
+"""Structured outputs (xgrammar): every kind of constraint holds on what is generated, in the
+LLM API and over HTTP; bad constraints are refused up front; constrained requests wait for
+their grammar without holding others up, survive preemption, and fail alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import running_server
+from fulcrum import LLM, SamplingParams
+from fulcrum.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "object",
+          "properties": {"color": {"enum": ["red", "green", "blue"]},
+                         "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["color", "ok", "n"]}
+PROMPTS = ["hello", "the weather is", "x y z", "1 2 3 4"]
+
+
+def conforms(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"color", "ok", "n"}
+            and value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+            and isinstance(value["n"], int) and 0 <= value["n"] <= 99)
+
+
+def constrained(seed: int = 0, max_tokens: int = 60, **constraint) -> SamplingParams:
+    # temperature 1: a random model wanders everywhere the grammar lets it
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), scheduling_policy="fcfs")
+
+
+def texts(outputs):
+    return [o.outputs[0].text for o in outputs]
+
+
+def test_json_schema_holds_and_the_grammar_ends_the_answer(llm):
+    params = [constrained(seed, json=SCHEMA, disable_any_whitespace=True) for seed in range(4)]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for output in outputs:
+        assert conforms(json.loads(output.outputs[0].text)), output.outputs[0].text
+        assert output.outputs[0].finish_reason == "stop"
+    assert len({o.outputs[0].text for o in outputs}) > 1  # the seeds do differ
+
+
+@pytest.mark.parametrize("constraint,check", [
+    ({"regex": r"[a-c]{3}-\d\d"}, lambda t: re.fullmatch(r"[a-c]{3}-\d\d", t)),
+    ({"choice": ["yes", "no", 'say "hi"\n']}, lambda t: t in ("yes", "no", 'say "hi"\n')),
+    ({"grammar": 'root ::= "a" ("b" | "c")* "d"'}, lambda t: re.fullmatch(r"a[bc]*d", t)),
+])
+def test_each_kind_of_constraint_holds(llm, constraint, check):
+    outputs = llm.generate(PROMPTS, [constrained(seed, max_tokens=200, **constraint)
+                                     for seed in range(4)], use_tqdm=False)
+    for text in texts(outputs):
+        assert check(text), text
+
+
+def test_json_object_is_an_object(llm):
+    """A random model may write one endless string; whatever ends by itself is an object."""
+    params = [constrained(seed, max_tokens=100, json_object=True, disable_any_whitespace=True)
+              for seed in range(8)]
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS * 2, params, use_tqdm=False)]
+    ended = [o.text for o in outputs if o.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(t), dict) for t in ended)
+    assert all(o.text.startswith("{") for o in outputs)
+
+
+def test_json_schema_given_as_a_string_is_the_same_constraint(llm):
+    as_dict = llm.generate(PROMPTS[:2], constrained(3, json=SCHEMA, disable_any_whitespace=True),
+                           use_tqdm=False)
+    as_text = llm.generate(PROMPTS[:2], constrained(3, json=json.dumps(SCHEMA),
+                                                    disable_any_whitespace=True),
+                           use_tqdm=False)
+    assert texts(as_dict) == texts(as_text)
+
+
+def test_a_constrained_request_leaves_its_batch_mates_alone(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS, plain, use_tqdm=False)
+    mixed = llm.generate(PROMPTS, [plain, constrained(1, choice=["yes", "no"]), plain,
+                                   constrained(2, json=SCHEMA, disable_any_whitespace=True)],
+                         use_tqdm=False)
+    assert texts(mixed)[0::2] == texts(alone)[0::2]
+    assert texts(mixed)[1] in ("yes", "no") and conforms(json.loads(texts(mixed)[3]))
+
+
+def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (output,) = llm.generate(["hi"], params, use_tqdm=False)
+    assert output.outputs[0].text in ("yes", "no")
+    assert output.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("constraint,message", [
+    ({"json": {"type": "objec"}}, 'invalid json constraint: Unsupported type "objec"'),
+    ({"regex": "a("}, "invalid regex constraint: Regex parsing error"),
+    ({"grammar": 'root ::= "a" | '}, "invalid grammar constraint: EBNF parser error"),
+])
+def test_a_bad_constraint_is_refused_before_anything_is_queued(llm, constraint, message):
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["hi"], constrained(**constraint), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == free
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ({"json": "{not json"}, "the JSON schema is not valid JSON"),
+    ({"json": [1]}, "must be a JSON object"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+])
+def test_structured_outputs_params_are_checked(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StructuredOutputsParams(**fields)
+
+
+def test_requests_with_one_schema_share_one_compile(llm):
+    compiler = llm.llm_engine.grammar_compiler
+    params = StructuredOutputsParams(regex=r"\d+x")
+    first, second = compiler.grammar_for(params), compiler.grammar_for(params)
+    assert first.future is second.future
+    assert compiler.grammar_for(StructuredOutputsParams(regex=r"\d+y")).future \
+        is not first.future
+
+
+def test_constrained_requests_survive_preemption(llama_dir):
+    """Preemption keeps generated tokens, so the matcher is still right when they resume."""
+    prompts = [list(range(1 + 40 * i, 35 + 40 * i)) for i in range(3)]
+    params = [constrained(10 + i, max_tokens=45, regex="[a-z]{40}") for i in range(3)]
+    roomy = LLM(str(llama_dir), block_size=8, max_model_len=128, scheduling_policy="fcfs")
+    reference = roomy.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+    tight = LLM(str(llama_dir), block_size=8, max_model_len=128, num_gpu_blocks_override=17,
+                scheduling_policy="fcfs")
+    outputs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert texts(outputs) == texts(reference)
+    assert all(re.fullmatch("[a-z]{40}", t) for t in texts(outputs))
+    assert tight.llm_engine.block_manager.num_free_blocks == tight.llm_engine.block_manager.num_usable_blocks
+
+
+def test_a_request_waits_for_its_grammar_while_others_run(llama_dir, monkeypatch):
+    llm = LLM(str(llama_dir), scheduling_policy="fcfs")
+    compiler = llm.llm_engine.grammar_compiler
+    release = threading.Event()
+    real = compiler._compiler.compile_grammar
+
+    def slow_compile(grammar):
+        release.wait(10)
+        return real(grammar)
+
+    monkeypatch.setattr(compiler._compiler, "compile_grammar", slow_compile)
+    engine = llm.llm_engine
+    engine.add_request("slow", {"prompt": "hi"}, constrained(choice=["yes", "no"]))
+    engine.add_request("plain", {"prompt": "hi"}, SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    deadline = time.monotonic() + 20
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if "plain" in finished:
+            release.set()
+    assert list(finished) == ["plain", "slow"]
+    assert finished["slow"].outputs[0].text in ("yes", "no")
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llama_dir, monkeypatch):
+    llm = LLM(str(llama_dir), scheduling_policy="fcfs")
+    compiler = llm.llm_engine.grammar_compiler
+
+    def broken(grammar):
+        raise RuntimeError("[12:00:00] /x/compiler.cc:1: out of memory")
+
+    monkeypatch.setattr(compiler._compiler, "compile_grammar", broken)
+    broken_params = constrained(choice=["never compiled"])
+    outputs = llm.generate(["a", "b"], [broken_params, SamplingParams(max_tokens=3,
+                                                                      ignore_eos=True)],
+                           use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert outputs[0].error == "compiling the grammar failed: out of memory"
+    assert len(outputs[1].outputs[0].token_ids) == 3
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_real_weights_follow_a_schema(stories_dir):
+    """stories260K's byte-fallback vocabulary (sentencepiece pieces, not byte-level BPE)."""
+    llm = LLM(str(stories_dir), scheduling_policy="fcfs")
+    params = [constrained(seed, max_tokens=80, json=SCHEMA, disable_any_whitespace=True)
+              for seed in range(3)]
+    for output in llm.generate(["Once upon a time"] * 3, params, use_tqdm=False):
+        assert conforms(json.loads(output.outputs[0].text)), output.outputs[0].text
+
+
+# ---------------------------------------------------------------------------- server
+@pytest.fixture(scope="module")
+def served(llama_dir):
+    with running_server(llama_dir, scheduling_policy="fcfs") as pair:
+        yield pair
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "seed": 3,
+        "max_tokens": 80}
+
+
+def chat(server, **extra):
+    return httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra}, timeout=60)
+
+
+# Free whitespace is on by default over HTTP (as in vLLM), where a random model may pad
+# forever, so these schemas leave no room for whitespace: a string out of a list.
+COLORS = {"enum": ["red", "green", "blue"]}
+COLOR_TEXTS = ('"red"', '"green"', '"blue"')
+
+
+def content(reply) -> str:
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def test_server_response_format_json_schema(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": COLORS}}
+    assert content(chat(server, response_format=fmt)) in COLOR_TEXTS
+    completion = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "x", "max_tokens": 80, "seed": 1, "temperature": 1.0,
+        "response_format": fmt}, timeout=60)
+    assert completion.json()["choices"][0]["text"] in COLOR_TEXTS
+
+
+def test_server_json_object_structured_outputs_and_guided_fields(server):
+    json_mode = chat(server, response_format={"type": "json_object"}, max_tokens=40)
+    assert content(json_mode).startswith("{")
+    if json_mode.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(content(json_mode)), dict)
+    assert content(chat(server, structured_outputs={"choice": ["left", "right"]})) \
+        in ("left", "right")
+    strict = chat(server, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    assert conforms(json.loads(content(strict)))
+    assert re.fullmatch(r"\d{4}", content(chat(server, guided_regex=r"\d{4}")))
+    assert content(chat(server, guided_choice=["up", "down"])) in ("up", "down")
+    assert content(chat(server, guided_json=json.dumps(COLORS))) in COLOR_TEXTS
+    assert content(chat(server, guided_grammar='root ::= "x" "y"+', max_tokens=5)) \
+        .startswith("xy")
+
+
+def test_server_streams_a_constrained_answer(server):
+    pieces = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={**CHAT, "stream": True, "structured_outputs": {
+                          "json": SCHEMA, "disable_any_whitespace": True}}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    pieces.append(choices[0]["delta"]["content"])
+    assert len(pieces) > 3
+    assert conforms(json.loads("".join(pieces)))
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "got 'yaml'"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     "at most one output constraint per request; got guided_regex, guided_choice"),
+    ({"structured_outputs": {"regex": "a", "frob": 1}}, "structured_outputs",
+     "structured_outputs takes only json, regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice must be a non-empty"),
+    ({"guided_json": {"type": "objec"}}, None, 'Unsupported type "objec"'),
+    ({"guided_regex": "("}, None, "Regex parsing error"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+])
+def test_server_refuses_bad_constraints(server, async_llm, extra, param, message):
+    reply = chat(server, **extra)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert async_llm.is_healthy and async_llm.engine.get_num_unfinished_requests() == 0
