@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any, Dict
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -41,9 +42,29 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
+# ChatML, with tools as Qwen2.5 renders them (Hermes format): the function signatures in the
+# system turn, calls as <tool_call> JSON in assistant turns, results as <tool_response>.
+# (Newlines right after a block tag are written {{ '\n' }}: the renderer trims the others.)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -63,14 +84,24 @@ def byte_level_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
 
 def default_model_dir() -> str:
     """Write the default model's folder if needed and return its path."""
-    root = Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))
-    folder = root / DEFAULT_MODEL_NAME
-    config_file = folder / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()) == CONFIG:
+    return ensure_config_folder(cache_root() / DEFAULT_MODEL_NAME, CONFIG)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))
+
+
+def ensure_config_folder(folder: Path, config: Dict[str, Any]) -> str:
+    """A config-only model folder (config.json and a byte-level tokenizer), written again when
+    either differs from what this version of fulcrum writes."""
+    config_file, tokenizer_config = folder / "config.json", folder / "tokenizer_config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()) == config \
+            and tokenizer_config.is_file() \
+            and json.loads(tokenizer_config.read_text()).get("chat_template") == CHAT_TEMPLATE:
         return str(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    write_byte_level_tokenizer(folder, VOCAB_SIZE, CONFIG["max_position_embeddings"])
-    config_file.write_text(json.dumps(CONFIG, indent=2))
+    write_byte_level_tokenizer(folder, config["vocab_size"], config["max_position_embeddings"])
+    config_file.write_text(json.dumps(config, indent=2))
     return str(folder)
 
 

@@ -75,15 +75,18 @@ class LLM:
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
+             chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
-        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`)."""
+        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`), and so do
+        `tools` (OpenAI's function definitions, as vLLM's `LLM.chat` takes them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
-                                                 chat_template, **(chat_template_kwargs or {}))
+                                                 chat_template, **kwargs)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

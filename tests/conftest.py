@@ -24,19 +24,20 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
                initializer_range=0.2, eos_token_id=EOS_ID, bos_token_id=256)
 
 
-def _hf_config(arch: str):
+def _hf_config(arch: str, max_pos: int = MAX_POS):
     import transformers as tf
 
+    common = {**_COMMON, "max_position_embeddings": max_pos}
     if arch == "llama":
-        return tf.LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_scaling={
+        return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if arch == "qwen2":
-        return tf.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
-        return tf.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
+        return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if arch == "mistral":
-        return tf.MistralConfig(**_COMMON, head_dim=16, sliding_window=48,
+        return tf.MistralConfig(**common, head_dim=16, sliding_window=48,
                                 tie_word_embeddings=False)
     raise ValueError(arch)
 
@@ -44,14 +45,14 @@ def _hf_config(arch: str):
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def build_tiny_model(arch: str, folder: Path) -> Path:
+def build_tiny_model(arch: str, folder: Path, max_pos: int = MAX_POS) -> Path:
     """Save a seeded random HF model of `arch` plus a byte-level tokenizer into `folder`."""
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(_hf_config(arch, max_pos), dtype=torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
-    write_byte_level_tokenizer(folder, VOCAB, MAX_POS)
+    write_byte_level_tokenizer(folder, VOCAB, max_pos)
     return folder
 
 

@@ -112,7 +112,6 @@ def test_server_applies_the_model_defaults_to_unset_fields(tuned_server):
 
 
 @pytest.mark.parametrize("route,extra,param", [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completions", {"bad_words": ["x"]}, "bad_words"),

@@ -8,12 +8,9 @@ sets the LM head's cost); token ids above 255 are reserved tokens of the byte to
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any, Dict
 
-from fulcrum.default_model import write_byte_level_tokenizer
+from fulcrum.default_model import cache_root, ensure_config_folder
 
 # Special-token ids of the byte-level tokenizer (<|endoftext|>, <|im_end|>).
 _BYTE_TOKENIZER_IDS = {"bos_token_id": 256, "eos_token_id": 258}
@@ -44,13 +41,4 @@ def shape_dir(name: str) -> str:
     """Write the folder of shape `name` under $FULCRUM_CACHE/shapes if needed; return its path."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose from {', '.join(SHAPES)}")
-    config = SHAPES[name]
-    root = Path(os.environ.get("FULCRUM_CACHE", Path.home() / ".cache" / "fulcrum"))
-    folder = root / "shapes" / name
-    config_file = folder / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()) == config:
-        return str(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_byte_level_tokenizer(folder, config["vocab_size"], config["max_position_embeddings"])
-    config_file.write_text(json.dumps(config, indent=2))
-    return str(folder)
+    return ensure_config_folder(cache_root() / "shapes" / name, SHAPES[name])

@@ -104,12 +104,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str,
               api_key: Union[None, str, Sequence[str]] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               trust_request_chat_template: bool = False,
-              log_requests: bool = False, chat_template: Optional[str] = None) -> FastAPI:
-    """The server's app. `api_key`: one key or several; None or empty leaves /v1 open."""
+              log_requests: bool = False, chat_template: Optional[str] = None,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
+    """The server's app. `api_key`: one key or several; None or empty leaves /v1 open.
+    `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused)."""
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine")
     serving = OpenAIServing(async_llm, served_model_name, trust_request_chat_template,
-                            log_requests, chat_template)
+                            log_requests, chat_template, tool_call_parser)
     metrics = ServerMetrics(async_llm, served_model_name)
     app.state.async_llm = async_llm
     app.state.metrics = metrics
@@ -169,7 +171,9 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt and messages")
         if request.messages is not None:
-            _, tokens = serving.render_chat(request.messages, request.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+            _, tokens = serving.render_chat(request.messages, request.add_generation_prompt,
+                                            tools=tools)
         else:
             try:
                 tokens = llm.engine.encode(request.prompt, request.add_special_tokens)

@@ -49,6 +49,13 @@ def register(subparsers) -> None:
                                             "parameters (vLLM's flag; default off)")
     server.add_argument("--disable-log-requests", dest="enable_log_requests",
                         action="store_false", help="vLLM's older spelling of the default")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='read tool calls from the model\'s answers for tool_choice "auto" '
+                             "(needs --tool-call-parser)")
+    server.add_argument("--tool-call-parser", default=None,
+                        choices=["hermes", "llama3_json", "mistral"],
+                        help="the model's tool call format: hermes (Qwen, Hermes: "
+                             "<tool_call>...</tool_call>), llama3_json, mistral ([TOOL_CALLS])")
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model argument)")
     server.add_argument("--uvicorn-log-level", default="info",
@@ -77,10 +84,13 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum.tokenizer import Tokenizer
 
     template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
     app = build_app(async_llm, served_model_name(args), api_keys(args),
                     args.max_request_body_bytes, args.trust_request_chat_template,
-                    args.enable_log_requests, template)
+                    args.enable_log_requests, template, parser)
     try:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

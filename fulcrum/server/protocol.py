@@ -7,6 +7,7 @@ rejected with a 400 naming the field, never dropped silently.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
@@ -33,7 +34,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI's and vLLM's fields that change what is generated and that fulcrum cannot honour yet:
 # a request that sets one is refused (400 naming it) rather than answered differently.
-UNSUPPORTED_FIELDS = ("tools", "allowed_token_ids", "bad_words", "prompt_logprobs",
+UNSUPPORTED_FIELDS = ("allowed_token_ids", "bad_words", "prompt_logprobs",
                       "truncate_prompt_tokens")
 # vLLM's older per-kind fields of structured outputs -> the StructuredOutputsParams field.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -83,8 +84,6 @@ class SamplingRequest(BaseModel):
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
     # Set by clients of OpenAI's or vLLM's API; refused until supported (see unsupported()).
-    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
-    tools: Optional[List[Dict[str, Any]]] = None
     allowed_token_ids: Optional[Any] = None
     bad_words: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
@@ -101,8 +100,6 @@ class SamplingRequest(BaseModel):
         if self.guided_whitespace_pattern is not None:
             return "guided_whitespace_pattern", ("guided_whitespace_pattern is not supported; "
                                                  "structured_outputs.disable_any_whitespace is")
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice other than 'none' is not supported yet"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
@@ -226,15 +223,55 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message of the history, or of a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: the call this message answers
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
 
     def template_dict(self) -> Dict[str, Any]:
@@ -243,10 +280,25 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: Dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            # As vLLM hands them to HF templates: arguments as an object, not its text.
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -258,6 +310,32 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=1024)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+
+    @property
+    def tool_dicts(self) -> Optional[List[Dict[str, Any]]]:
+        """The tools as the chat template (and the tool-call code) see them."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_mode(self) -> Optional[str]:
+        """None (no tool calls to look for), "auto", "required" or "named". With tools and
+        no tool_choice, "auto" (as in vLLM and OpenAI)."""
+        choice = self.tool_choice if self.tool_choice is not None else (
+            "auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def forced_function(self) -> Optional[str]:
+        """What tool_choice forces: "required", a function's name, or None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     @property
     def max_output_tokens(self) -> Optional[int]:
@@ -271,6 +349,12 @@ class ChatCompletionRequest(SamplingRequest):
     def unsupported(self) -> Optional[Tuple[str, str]]:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
+                not in {t.function.name for t in self.tools}:
+            return "tool_choice", (f"tool_choice names the function "
+                                   f"{self.tool_choice.function.name!r}, which is not in tools")
         return super().unsupported()
 
 
@@ -278,6 +362,7 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
+    tools: Optional[List[ToolDefinition]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -358,11 +443,27 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: List[ToolCallMessage] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first carries its id and name, later ones arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
 
 
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
 
 class _ChatChoice(_Choice):

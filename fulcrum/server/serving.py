@@ -9,6 +9,7 @@ loop; the engine thread only ever sees validated requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, Requ
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.sampler import Logprob
 from fulcrum.sampling_params import SamplingParams
+from fulcrum.server import tool_calls
 from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                      ChatResponseMessage, ChatStreamChoice, CompletionChoice,
@@ -240,9 +242,12 @@ class OpenAIServing:
 
     def __init__(self, async_llm: AsyncLLM, model_name: str,
                  trust_request_chat_template: bool = False, log_requests: bool = False,
-                 chat_template: Optional[str] = None) -> None:
+                 chat_template: Optional[str] = None,
+                 tool_call_parser: Optional[str] = None) -> None:
         self.llm = async_llm
         self.model_name = model_name
+        # --enable-auto-tool-choice with --tool-call-parser: how tool_choice "auto" reads calls.
+        self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
@@ -302,15 +307,18 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be at most {limit} (max_logprobs), got "
                                 f"{request.top_logprobs}", "top_logprobs")
         params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        params = self._tool_params(request, params)
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: start the server with "
                                 "--trust-request-chat-template to allow it", "chat_template")
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
-                                  request.chat_template, request.chat_template_kwargs)
+                                  request.chat_template, request.chat_template_kwargs,
+                                  request.tool_dicts)
         self._check([prompt], params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _Generation([prompt], request.n)
         created = int(time.time())
+        streams = {c.index: self._tool_stream(request) for c in generation.choices}
 
         def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
             if request.num_logprobs is None:
@@ -322,17 +330,42 @@ class OpenAIServing:
                                        choices=choices, usage=usage)
 
         def delta_chunk(c: _Choice, delta: _Delta) -> BaseModel:
+            message, finish_reason = DeltaMessage(content=delta.text), c.finish_reason
+            stream = streams[c.index]
+            if stream is not None:
+                piece = stream.feed(delta.text)
+                were_calls = False
+                if c.finish_reason is not None:
+                    rest, were_calls = stream.finish()
+                    piece = tool_calls.ToolDelta(
+                        (piece.content or "") + (rest.content or "") or None,
+                        piece.tool_calls + rest.tool_calls)
+                message = DeltaMessage(content=piece.content,
+                                       tool_calls=piece.tool_calls or None)
+                finish_reason = _tool_finish_reason(c.finish_reason, were_calls)
             return chunk([ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs(delta),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                index=c.index, delta=message, logprobs=logprobs(delta),
+                finish_reason=finish_reason, stop_reason=c.stop_reason)],
                 self._running_usage(request, generation))
 
+        def message(c: _Choice) -> Tuple[ChatResponseMessage, Optional[str]]:
+            stream = streams[c.index]
+            if stream is None:
+                return ChatResponseMessage(content=c.text), c.finish_reason
+            content, calls, were_calls = stream.whole(c.text)
+            return (ChatResponseMessage(content=content, tool_calls=calls),
+                    _tool_finish_reason(c.finish_reason, were_calls))
+
         def final() -> BaseModel:
-            return ChatCompletionResponse(
-                id=request_id, created=created, model=self.model_name, usage=generation.usage(),
-                choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                    logprobs=logprobs(c.whole()), finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason) for c in generation.choices])
+            choices = []
+            for c in generation.choices:
+                reply, finish_reason = message(c)
+                choices.append(ChatChoice(index=c.index, message=reply,
+                                          logprobs=logprobs(c.whole()),
+                                          finish_reason=finish_reason,
+                                          stop_reason=c.stop_reason))
+            return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+                                          usage=generation.usage(), choices=choices)
 
         roles = [chunk([ChatStreamChoice(index=c.index,
                                          delta=DeltaMessage(role="assistant", content=""))])
@@ -342,16 +375,44 @@ class OpenAIServing:
             request, raw_request, generation, outputs, chunk=delta_chunk,
             usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
 
+    def _tool_params(self, request: ChatCompletionRequest,
+                     params: SamplingParams) -> SamplingParams:
+        """The sampling parameters under the request's tool_choice: "required" and named
+        calls are enforced by a grammar; "auto" needs the server's tool call parser."""
+        mode = request.tool_mode
+        if mode == "auto":
+            if self.tool_parser is None:
+                raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                                    "--tool-call-parser to be set", "tool_choice")
+            return dataclasses.replace(params,
+                                       skip_special_tokens=self.tool_parser.skip_special_tokens)
+        constraint = tool_calls.constraint(request.tool_dicts or [], request.forced_function)
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {mode!r} is enforced with structured outputs, so "
+                                "the request may not bring its own", "tool_choice")
+        return dataclasses.replace(params, structured_outputs=constraint)
+
+    def _tool_stream(self, request: ChatCompletionRequest) -> Optional[tool_calls.ToolCallStream]:
+        mode = request.tool_mode
+        if mode is None:
+            return None
+        return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function)
+
     def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None,
-                    template_kwargs: Optional[Dict[str, Any]] = None) -> EnginePrompt:
+                    template_kwargs: Optional[Dict[str, Any]] = None,
+                    tools: Optional[List[Dict[str, Any]]] = None) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template."""
         tokenizer = self.llm.tokenizer
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
                                                  add_generation_prompt,
-                                                 chat_template or self.chat_template,
-                                                 **(template_kwargs or {}))
+                                                 chat_template or self.chat_template, **kwargs)
             token_ids = self.llm.engine.encode(text, add_special_tokens=False)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids})
         except (ValueError, TypeError, jinja2.TemplateError) as error:
@@ -418,6 +479,11 @@ class OpenAIServing:
         if not await run_unless_disconnected(raw_request, generation.consume(outputs)):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return final()
+
+
+def _tool_finish_reason(finish_reason: Optional[str], were_calls: bool) -> Optional[str]:
+    """OpenAI's "tool_calls" for an answer that ended in calls of the model's choosing."""
+    return "tool_calls" if were_calls and finish_reason == "stop" else finish_reason
 
 
 async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, RequestOutput]],

@@ -1,0 +1,261 @@
+"""Tool calls: what a chat request's `tools` and `tool_choice` make of the model's answer.
+
+`tool_choice` "required" and a named function are enforced with structured outputs, so the
+call is always JSON that matches the function's parameters. "auto" reads the model's own
+format with the parser chosen by `--tool-call-parser` (vLLM's names): `hermes` (Qwen,
+Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json` (Llama
+3.x: a JSON object `{"name": ..., "parameters": {...}}`, several separated by `;`) and
+`mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`). Text that is not a
+well-formed call stays content: a parser never invents a call.
+
+`ToolCallStream` turns one choice's text deltas into the chat deltas OpenAI streams: content
+until a call starts (text that might be the start of a call's marker is held back until it
+is clear), then the calls, each with its id and name first and its arguments after.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+from fulcrum.sampling_params import StructuredOutputsParams
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text
+    id: str = field(default_factory=_call_id)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call(name: Any, arguments: Any) -> ToolCall:
+    """A call from parsed JSON; ValueError unless the name is a string and the arguments an
+    object (or its JSON text)."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        raise ValueError("not a tool call")
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _objects(text: str) -> List[Any]:
+    """Consecutive JSON values in `text`, separated by whitespace, ',' or ';'."""
+    decoder, values, index = json.JSONDecoder(), [], 0
+    while True:
+        while index < len(text) and text[index] in " \t\r\n;,":
+            index += 1
+        if index == len(text):
+            return values
+        value, index = decoder.raw_decode(text, index)
+        values.append(value)
+
+
+class ToolParser(ABC):
+    """Finds tool calls in a model's answer (one format)."""
+
+    name: str
+    marker: str  # where the calls start
+    at_start_only = False  # the marker counts only at the start of the answer
+    skip_special_tokens = True  # False where the marker is a special token
+
+    def start(self, text: str) -> Optional[int]:
+        """Where the calls start in `text`, if they do."""
+        if self.at_start_only:
+            stripped = len(text) - len(text.lstrip())
+            return stripped if text.startswith(self.marker, stripped) else None
+        index = text.find(self.marker)
+        return index if index >= 0 else None
+
+    def parse(self, text: str) -> Tuple[Optional[str], List[ToolCall]]:
+        """(content before the calls, calls); when the calls are not well-formed, (text, [])."""
+        start = self.start(text)
+        if start is None:
+            return text, []
+        try:
+            calls = self.calls(text[start:])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return text, []
+        if not calls:
+            return text, []
+        before = text[:start]
+        return (before if before.strip() else None), calls
+
+    @abstractmethod
+    def calls(self, text: str) -> List[ToolCall]:
+        """The calls in `text`, which starts at the marker; raises if malformed."""
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def calls(self, text: str) -> List[ToolCall]:
+        found = []
+        for body in self._block.findall(text):
+            value = json.loads(body)
+            found.append(_call(value["name"], value.get("arguments", {})))
+        return found
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    marker = "{"
+    at_start_only = True
+
+    def start(self, text: str) -> Optional[int]:
+        tag = "<|python_tag|>"
+        offset = len(text) - len(text.lstrip())
+        if text.startswith(tag, offset):
+            index = super().start(text[offset + len(tag):])
+            return None if index is None else index + offset + len(tag)
+        return super().start(text)
+
+    def calls(self, text: str) -> List[ToolCall]:
+        return [_call(value["name"], value.get("parameters", value.get("arguments", {})))
+                for value in _objects(text)]
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    skip_special_tokens = False
+
+    def calls(self, text: str) -> List[ToolCall]:
+        body = text[len(self.marker):].replace(self.marker, "")
+        values = _objects(body)
+        if len(values) != 1 or not isinstance(values[0], list):
+            raise ValueError("[TOOL_CALLS] must be followed by one JSON list")
+        return [_call(value["name"], value.get("arguments", {})) for value in values[0]]
+
+
+PARSERS: Dict[str, Type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def make_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose from {sorted(PARSERS)}")
+    return PARSERS[name]()
+
+
+# --------------------------------------------------------------- tool_choice
+def required_schema(tools: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """JSON for tool_choice "required": a non-empty list of calls of the given functions,
+    each `{"name": ..., "parameters": {...}}` (vLLM's form)."""
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object",
+         "properties": {"name": {"enum": [t["function"]["name"]]},
+                        "parameters": parameters_schema(t)},
+         "required": ["name", "parameters"]} for t in tools]}}
+
+
+def parameters_schema(tool: Dict[str, Any]) -> Dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def constraint(tools: Sequence[Dict[str, Any]],
+               choice: Optional[str]) -> Optional[StructuredOutputsParams]:
+    """The structured output that enforces tool_choice "required", or a named function
+    (`choice` is then its name). Compact JSON: arguments are read by programs, and no
+    model gets to pad them with whitespace."""
+    if choice is None:
+        return None
+    if choice == "required":
+        schema = required_schema(tools)
+    else:
+        schema = parameters_schema(next(t for t in tools if t["function"]["name"] == choice))
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def required_calls(text: str) -> List[ToolCall]:
+    """The calls of a "required" answer (a JSON list, as `required_schema` enforces)."""
+    return [_call(value["name"], value["parameters"]) for value in json.loads(text)]
+
+
+# ----------------------------------------------------------------- streaming
+@dataclass
+class ToolDelta:
+    """What one chunk of a choice carries: content and/or tool-call deltas."""
+
+    content: Optional[str] = None
+    tool_calls: List[Dict[str, Any]] = field(default_factory=list)
+
+
+class ToolCallStream:
+    """One choice's stream under `mode` "auto" (with `parser`), "required", or "named"
+    (with `function`, whose arguments are the answer itself)."""
+
+    def __init__(self, mode: str, parser: Optional[ToolParser] = None,
+                 function: Optional[str] = None) -> None:
+        self.mode, self.parser, self.function = mode, parser, function
+        self.text = ""
+        self.sent = 0  # characters of `text` already sent as content (auto)
+        self.named_id: Optional[str] = None
+
+    def feed(self, delta: str) -> ToolDelta:
+        self.text += delta
+        if self.mode == "named":
+            return self._named(delta)
+        if self.mode == "required" or self.parser.start(self.text) is not None:
+            return ToolDelta()  # calls are sent whole, at the end
+        safe = len(self.text) - self._held_back()
+        content, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return ToolDelta(content=content)
+
+    def finish(self) -> Tuple[ToolDelta, bool]:
+        """What is left to send, and whether the answer was tool calls (an answer cut short
+        before its calls were complete is sent as content)."""
+        if self.mode == "named":
+            return ToolDelta(), False
+        if self.mode == "required":
+            try:
+                return ToolDelta(tool_calls=_deltas(required_calls(self.text))), True
+            except (ValueError, TypeError, KeyError):
+                return ToolDelta(content=self.text or None), False
+        content, calls = self.parser.parse(self.text)
+        rest = (content or "")[self.sent:] if calls else self.text[self.sent:]
+        return ToolDelta(content=rest or None, tool_calls=_deltas(calls)), bool(calls)
+
+    def whole(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]], bool]:
+        """A whole answer (not streamed): its content, its calls, whether it was calls."""
+        first = self.feed(text)
+        last, were_calls = self.finish()
+        content = (first.content or "") + (last.content or "")
+        calls = [{k: v for k, v in c.items() if k != "index"}
+                 for c in first.tool_calls + last.tool_calls]
+        return content or None, calls, were_calls
+
+    def _named(self, delta: str) -> ToolDelta:
+        if self.named_id is None:
+            self.named_id = _call_id()
+            return ToolDelta(tool_calls=[{"index": 0, "id": self.named_id, "type": "function",
+                                          "function": {"name": self.function,
+                                                       "arguments": delta}}])
+        return ToolDelta(tool_calls=[{"index": 0, "function": {"arguments": delta}}])
+
+    def _held_back(self) -> int:
+        """How many final characters could be the start of the parser's marker."""
+        marker = self.parser.marker
+        if self.parser.at_start_only:
+            return len(self.text) if not self.text.strip() else 0
+        for size in range(min(len(marker) - 1, len(self.text)), 0, -1):
+            if marker.startswith(self.text[-size:]):
+                return size
+        return 0
+
+
+def _deltas(calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
+    return [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
