@@ -160,9 +160,12 @@ class AsyncLLM:
         self._dead_listeners.append(listener)
 
     # ------------------------------------------------------------ public API
-    def process_prompt(self, prompt: PromptType) -> Tuple[Optional[str], List[int]]:
-        """(text, token ids) of a prompt; raises ValueError/TypeError if the engine would."""
-        text, token_ids = self.engine.tokenize_prompt(prompt)
+    def process_prompt(self, prompt: PromptType,
+                       truncate: Optional[int] = None) -> Tuple[Optional[str], List[int]]:
+        """(text, token ids) of a prompt, cut to its last `truncate` tokens if given (vLLM's
+        truncate_prompt_tokens); raises ValueError/TypeError if the engine would."""
+        text, token_ids = self.engine.truncate_prompt(*self.engine.tokenize_prompt(prompt),
+                                                      truncate)
         self.engine.validate_prompt(token_ids)
         self.engine.cache_salt(prompt)
         return text, token_ids
@@ -238,7 +241,9 @@ class AsyncLLM:
         """Validate the request, register its stream and queue it for the engine thread."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.process_prompt(prompt)
+        if not isinstance(params, SamplingParams):
+            raise TypeError("sampling_params must be a SamplingParams")
+        text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         self.check_request(len(token_ids), params)
         self.check_capacity(params.n)
         self._bind_loop()

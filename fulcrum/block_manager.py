@@ -89,7 +89,7 @@ class BlockManager:
         Blocks in `excluding` end the prefix: the scheduler names those that a preemption it
         is weighing would drop before they are computed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return NO_HITS
         max_blocks = (request.num_tokens - 1) // self.block_size
         keys = self._block_keys(request, max_blocks)

@@ -26,7 +26,7 @@ from fulcrum.generation_config import load_generation_defaults
 from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
 from fulcrum.model_loader import load_hf_config, load_model, resolve_dtype
 from fulcrum.models import model_class
-from fulcrum.model_runner import ModelRunner
+from fulcrum.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
 from fulcrum.request import Request, RequestStatus, SloTargets
@@ -229,6 +229,36 @@ class LLMEngine:
                              "can hold")
         return self.tokenizer.encode(text, add_special_tokens)
 
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple:
+        """(text, token ids) of a prompt as the request will run it: tokenized, truncated as
+        params ask, checked against the model's limits."""
+        text, token_ids = self.truncate_prompt(*self.tokenize_prompt(prompt),
+                                               params.truncate_prompt_tokens)
+        self.validate_prompt(token_ids)
+        return text, token_ids
+
+    def truncate_prompt(self, text: Optional[str], token_ids: List[int],
+                        keep: Optional[int]) -> tuple:
+        """(text, token ids) of the prompt's last `keep` tokens (-1: max_model_len), vLLM's
+        truncate_prompt_tokens; a prompt cut short gets the text of what is left."""
+        keep = self.config.max_model_len if keep == -1 else keep
+        if keep is None or len(token_ids) <= keep:
+            return text, token_ids
+        kept = token_ids[-keep:]
+        return self.tokenizer.decode(kept, skip_special_tokens=False), kept
+
+    def bad_words_token_ids(self, words: Optional[Sequence[str]]) -> List[List[int]]:
+        """Each bad word as token ids, alone and after a space (vLLM's two spellings; the
+        second only where it is a different word of as many tokens)."""
+        found: List[List[int]] = []
+        for word in words or []:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            found.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                found.append(spaced)
+        return found
+
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -251,10 +281,14 @@ class LLMEngine:
         config = self.config
         if params.n > config.max_n:
             raise ValueError(f"n must be at most {config.max_n} (max_n), got {params.n}")
-        if params.logprobs is not None and params.logprobs > config.max_logprobs:
-            raise ValueError(f"logprobs must be at most {config.max_logprobs} (max_logprobs), "
-                             f"got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > config.max_logprobs:
+                raise ValueError(f"{name} must be at most {config.max_logprobs} (max_logprobs), "
+                                 f"got {value}")
         self._check_token_ids("stop_token_ids: token id", params.stop_token_ids)
+        self._check_token_ids("logit_bias: token id", params.logit_bias or ())
+        self._check_token_ids("allowed_token_ids: token id", params.allowed_token_ids or ())
         if params.structured_outputs is not None:
             self.grammar_compiler.parse(params.structured_outputs)
         limit = config.max_model_len
@@ -299,8 +333,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         self.validate_priority(priority)
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
+        text, token_ids = self.prepare_prompt(prompt, params)
         max_tokens = self.validate_params(params, len(token_ids))
         salt = self.cache_salt(prompt)
         if request_id is None:
@@ -314,11 +347,15 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         targets = self.slo_targets(params)
+        bad_words = self.bad_words_token_ids(params.bad_words)
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
             child = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                             text, priority, arrival, max_tokens, salt)
             child.metrics.slo = targets
+            child.bad_words_token_ids = bad_words
+            if index == 0 and params.prompt_logprobs is not None:
+                child.prompt_logprobs = [None]  # the first token has none; one child computes
             if params.structured_outputs is not None:
                 child.grammar = self.grammar_compiler.grammar_for(params.structured_outputs)
                 if not child.ready:
@@ -358,11 +395,13 @@ class LLMEngine:
             self._wait_for_grammars()
         predicted = self.step_time.predict(scheduled.shape)
         try:
-            sampled, failed = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled)
         except Exception as error:  # noqa: BLE001 - the step never happened; see _fail
             logger.exception("the forward pass failed; failing the step's requests")
-            sampled = {}
-            failed = {c.request_id: f"the forward pass failed: {error!r}" for c in scheduled.chunks}
+            result = StepResult(failed={c.request_id: f"the forward pass failed: {error!r}"
+                                        for c in scheduled.chunks})
+        sampled, failed = result.sampled, result.failed
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         failed.update(self._advance_grammars(scheduled, sampled))
         failed.update(grammar_failed)
         self._fail(failed)

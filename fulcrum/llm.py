@@ -57,8 +57,7 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            token_ids = engine.tokenize_prompt(prompt)[1]
-            engine.validate_prompt(token_ids)
+            token_ids = engine.prepare_prompt(prompt, params)[1]
             engine.validate_params(params, len(token_ids))
             engine.validate_priority(priority[i] if priority is not None else 0)
             engine.cache_salt(prompt)

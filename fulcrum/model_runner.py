@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -17,10 +18,22 @@ import torch
 from fulcrum.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from fulcrum.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
-from fulcrum.sampler import SampledToken, Sampler, SamplingRow
+from fulcrum.sampler import Logprob, SampledToken, Sampler, SamplingRow, logprob_entries
 from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+# Prompt logprobs take the whole vocabulary's logits of every position: this many at a time.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass
+class StepResult:
+    """What a step computed: each sampling request's new token, why sampling failed for the
+    requests it failed for (they alone fail), and prompt logprobs of chunks that asked."""
+
+    sampled: Dict[str, SampledToken] = field(default_factory=dict)
+    failed: Dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: Dict[str, List[Dict[int, Logprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -36,13 +49,12 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.last_forward_seconds = 0.0
 
-    def execute(self, output: SchedulerOutput) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:
-        """Compute the step: the new token of every chunk that reaches its end, and why
-        sampling failed for the requests it failed for (they alone fail; the rest go on)."""
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Compute the step: the new token of every chunk that reaches its end."""
         # A preempted request keeps its seeded generator: it resumes where it stopped.
         self.sampler.forget(output.finished_request_ids)
         if output.is_empty:
-            return {}, {}
+            return StepResult()
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens > 1)
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         start = time.perf_counter()
@@ -50,9 +62,29 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[logits_rows]) if len(logits_rows) else None
         self.last_forward_seconds = time.perf_counter() - start
-        if logits is None:
-            return {}, {}
-        return self._sample(logits, [c.sampling for c in chunks if c.sample])
+        result = StepResult(prompt_logprobs=self._prompt_logprobs(hidden, chunks))
+        if logits is not None:
+            result.sampled, result.failed = self._sample(
+                logits, [c.sampling for c in chunks if c.sample])
+        return result
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         chunks: List[ScheduledChunk]) -> Dict[str, List[Dict[int, Logprob]]]:
+        """Logprobs of the prompt tokens that chunks' positions predict (raw, as vLLM's)."""
+        found: Dict[str, List[Dict[int, Logprob]]] = {}
+        offset = 0
+        for chunk in chunks:
+            targets = chunk.prompt_logprob_targets
+            if targets:
+                entries = found.setdefault(chunk.request_id, [])
+                for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    part = targets[first:first + PROMPT_LOGPROB_ROWS]
+                    rows = hidden[offset + first:offset + first + len(part)]
+                    logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                    entries += logprob_entries(logprobs, part, chunk.num_prompt_logprobs)
+            offset += chunk.num_tokens
+        return found
 
     def _sample(self, logits: torch.Tensor,
                 rows: List[SamplingRow]) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.request import Request, RequestStatus
-from fulcrum.sampler import SampledToken
+from fulcrum.sampler import Logprob, SampledToken
 from fulcrum.sampling_params import RequestOutputKind
 from fulcrum.tokenizer import Tokenizer
 
@@ -39,6 +39,16 @@ class _Parent:
     prompt_token_ids: List[int]
     output_kind: RequestOutputKind
     children: List[_Child] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
+
+    def prompt_logprobs(self, delta: bool) -> Optional[list]:
+        """The prompt's logprobs once all are computed (a delta stream sends them once)."""
+        found = self.children[0].request.prompt_logprobs
+        if found is None or len(found) < len(self.prompt_token_ids) \
+                or (delta and self.sent_prompt_logprobs):
+            return None
+        self.sent_prompt_logprobs = True
+        return found
 
     @property
     def finished(self) -> bool:
@@ -108,11 +118,24 @@ class OutputProcessor:
         request.stop_reason = stop
         return True
 
+    def add_prompt_logprobs(self, found: Dict[str, List[Dict[int, Logprob]]]) -> None:
+        """Record the prompt logprobs a step computed (with each token's text)."""
+        for child_id, entries in found.items():
+            entry = self._children.get(child_id)
+            if entry is None:
+                continue
+            for logprobs in entries:
+                self._decode(logprobs)
+            entry[0].children[entry[1]].request.prompt_logprobs.extend(entries)
+
+    def _decode(self, logprobs: Dict[int, Logprob]) -> None:
+        for token_id, logprob in logprobs.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id], False)
+
     def _record_logprobs(self, child: _Child, token: SampledToken) -> None:
         if child.logprobs is None or token.logprobs is None:
             return
-        for token_id, logprob in token.logprobs.items():
-            logprob.decoded_token = self.tokenizer.decode([token_id], False)
+        self._decode(token.logprobs)
         child.logprobs.append(token.logprobs)
         child.cumulative_logprob += token.logprobs[token.token_id].logprob
 
@@ -169,7 +192,7 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
             metrics=first.metrics, num_cached_tokens=first.metrics.num_cached_tokens,
-            error=error)
+            prompt_logprobs=parent.prompt_logprobs(delta), error=error)
 
     @staticmethod
     def _completion(child: _Child, delta: bool) -> CompletionOutput:

@@ -104,6 +104,11 @@ class Request:
         self.sorted_stop_token_ids = sorted(stop_ids)  # what the sampler masks, in order
         # Its structured-output constraint, if any (set by the engine).
         self.grammar: Optional[RequestGrammar] = None
+        self.bad_words_token_ids: List[List[int]] = []  # params.bad_words, tokenized
+        # With params.prompt_logprobs: one entry per prompt token computed so far (the first
+        # is None). Such a request reads nothing from the prefix cache: every prompt position
+        # must pass through the model to have its logprobs.
+        self.prompt_logprobs: Optional[list] = None
 
     @property
     def ready(self) -> bool:

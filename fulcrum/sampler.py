@@ -32,6 +32,7 @@ class SamplingRow:
     num_prompt_tokens: int
     stop_token_ids: List[int] = field(default_factory=list)
     grammar: Optional["RequestGrammar"] = None  # tokens it forbids are never sampled
+    bad_words_token_ids: List[List[int]] = field(default_factory=list)  # params.bad_words
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
         tokens = logits.argmax(dim=-1)
@@ -76,6 +78,33 @@ class Sampler:
         token_list = tokens.tolist()
         return [SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
                 for i, (t, r) in enumerate(zip(token_list, rows))]
+
+    # ------------------------------------------------------- token controls
+    @staticmethod
+    def _apply_token_controls(logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        """allowed_token_ids, bad_words and logit_bias, row by row (rows without them cost
+        one check each)."""
+        controlled = [i for i, r in enumerate(rows) if r.params.logit_bias
+                      or r.params.allowed_token_ids or r.bad_words_token_ids]
+        if not controlled:
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        for i in controlled:
+            row, params = rows[i], rows[i].params
+            if params.allowed_token_ids:
+                allowed = torch.tensor(params.allowed_token_ids, device=device)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
+            banned = _banned_by_bad_words(row)
+            if banned:
+                logits[i, banned] = float("-inf")
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=device)
+                logits[i, ids] += torch.tensor(list(params.logit_bias.values()), device=device,
+                                               dtype=logits.dtype)
+        return logits
 
     # -------------------------------------------------------------- penalties
     def _apply_penalties(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
@@ -151,15 +180,35 @@ class Sampler:
                   num_top: Optional[int]) -> Optional[Dict[int, Logprob]]:
         if num_top is None or raw is None:
             return None
-        values = raw[row]
-        chosen = values[token].item()
-        rank = int((values > chosen).sum().item()) + 1
-        result = {token: Logprob(chosen, rank)}
-        if num_top:
-            top_values, top_ids = values.topk(num_top)
-            for r, (v, t) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
-                result.setdefault(t, Logprob(v, r))
-        return result
+        return logprob_entries(raw[row:row + 1], [token], num_top)[0]
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
+                    num_top: int) -> List[Dict[int, Logprob]]:
+    """For each row of `logprobs` ([rows, vocab]): its token's logprob and rank (1 = most
+    likely), then the `num_top` most likely tokens, as vLLM reports them."""
+    ids = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, ids)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    entries = [{t: Logprob(v, r)} for t, v, r in zip(token_ids, chosen.squeeze(1).tolist(), ranks)]
+    if num_top:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        for entry, values, top in zip(entries, top_values.tolist(), top_ids.tolist()):
+            for rank, (value, token) in enumerate(zip(values, top), start=1):
+                entry.setdefault(token, Logprob(value, rank))
+    return entries
+
+
+def _banned_by_bad_words(row: SamplingRow) -> List[int]:
+    """The next tokens that would complete a bad word (vLLM's rule): a one-token word always,
+    a longer one when the output ends with all of it but its last token."""
+    output = row.all_token_ids[row.num_prompt_tokens:]
+    banned = []
+    for word in row.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:

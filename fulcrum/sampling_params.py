@@ -16,8 +16,15 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias entries are added to every step's logits: their number bounds that work too.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class RequestOutputKind(enum.Enum):
@@ -105,6 +112,15 @@ class SamplingParams:
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Token-level controls, as in vLLM: a bias added to chosen tokens' logits (clamped to
+    # [-100, 100]); the only tokens that may be sampled; words that may not be generated.
+    logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    # Logprobs of each prompt token (given those before it), with this many alternatives.
+    prompt_logprobs: Optional[int] = None
+    # Keep only the prompt's last k tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,13 +130,13 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
+        self._verify_token_controls()
 
     def _verify(self) -> None:
         def fail(name: str, rule: str) -> None:
             raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
+        is_int = _is_int
 
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
@@ -175,6 +191,45 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams")
+
+    def _verify_token_controls(self) -> None:
+        is_int = _is_int
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, more than the "
+                                 f"{MAX_LOGIT_BIAS_ENTRIES} allowed")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r}")
+                bias[token] = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_STOP_STRINGS \
+                    or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of at most {MAX_STOP_STRINGS} "
+                                 "non-blank strings")
+            if any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+                raise ValueError(f"bad_words must be at most {MAX_STOP_STRING_CHARS} "
+                                 "characters each")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got "
+                             f"{self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (
+                not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
+                or self.truncate_prompt_tokens < -1):
+            raise ValueError("truncate_prompt_tokens must be a positive integer or -1 (the "
+                             f"maximum model length), got {self.truncate_prompt_tokens!r}")
 
     @property
     def greedy(self) -> bool:

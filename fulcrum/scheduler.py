@@ -33,6 +33,10 @@ class ScheduledChunk:
     block_table: List[int]
     # Set when the chunk reaches the request's newest token, so a new one is sampled.
     sampling: Optional[SamplingRow]
+    # With prompt logprobs: the prompt tokens the chunk's positions predict, in order (the
+    # first len(...) positions have one each), and how many alternatives to report.
+    prompt_logprob_targets: Optional[List[int]] = None
+    num_prompt_logprobs: int = 0
 
     @property
     def sample(self) -> bool:
@@ -297,19 +301,33 @@ class Scheduler:
             end = start + num_new
             num_decode += len(tokens) - start == 1
             shape.add_chunk(start, num_new)
-            chunks.append(ScheduledChunk(
+            chunk = ScheduledChunk(
                 request.request_id, tokens[start:end], start, tables[request.request_id],
-                self._sampling_row(request) if end == len(tokens) else None))
+                self._sampling_row(request) if end == len(tokens) else None)
+            if request.prompt_logprobs is not None:
+                self._add_prompt_logprob_targets(request, chunk)
+            chunks.append(chunk)
         finished, self._finished_ids = self._finished_ids, []
         num_tokens = sum(plan.tokens.values())
         return SchedulerOutput(chunks, num_tokens - num_decode, num_decode,
                                [r.request_id for r in plan.preempted], finished, shape)
 
     @staticmethod
+    def _add_prompt_logprob_targets(request: Request, chunk: ScheduledChunk) -> None:
+        """The chunk's share of the prompt logprobs still missing (none when it recomputes
+        positions done before a preemption)."""
+        start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
+        if start + 1 != len(request.prompt_logprobs) or start + 1 >= request.num_prompt_tokens:
+            return
+        chunk.prompt_logprob_targets = request.all_token_ids[
+            start + 1:min(end + 1, request.num_prompt_tokens)]
+        chunk.num_prompt_logprobs = request.sampling_params.prompt_logprobs
+
+    @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:
         return SamplingRow(request.request_id, request.sampling_params, request.all_token_ids,
                            request.num_prompt_tokens, request.sorted_stop_token_ids,
-                           request.grammar)
+                           request.grammar, request.bad_words_token_ids)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Dict[str, SampledToken]) -> List[Request]:

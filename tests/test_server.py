@@ -206,8 +206,10 @@ def test_tokenize_round_trip(server, offline):
     ("/v1/completions", {"prompt": [[1, 2], [99999]]}, 400, "99999"),
     ("/v1/completions", {"prompt": "x" * 600}, 400, "600 tokens long, more than the maximum "
                                                     "model length of 512"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 2}, 400,
+     "prompt_logprobs must equal logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x1": 5}}, 400, "logit_bias keys"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "99999 is out of"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, 400,
      "maximum model length of 512"),

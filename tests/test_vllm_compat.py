@@ -113,11 +113,6 @@ def test_server_applies_the_model_defaults_to_unset_fields(tuned_server):
 
 @pytest.mark.parametrize("route,extra,param", [
     ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ("completions", {"bad_words": ["x"]}, "bad_words"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ])

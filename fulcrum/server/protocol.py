@@ -32,10 +32,6 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-# OpenAI's and vLLM's fields that change what is generated and that fulcrum cannot honour yet:
-# a request that sets one is refused (400 naming it) rather than answered differently.
-UNSUPPORTED_FIELDS = ("allowed_token_ids", "bad_words", "prompt_logprobs",
-                      "truncate_prompt_tokens")
 # vLLM's older per-kind fields of structured outputs -> the StructuredOutputsParams field.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -83,26 +79,31 @@ class SamplingRequest(BaseModel):
     guided_choice: Optional[List[str]] = None
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
-    # Set by clients of OpenAI's or vLLM's API; refused until supported (see unsupported()).
-    allowed_token_ids: Optional[Any] = None
-    bad_words: Optional[Any] = None
-    prompt_logprobs: Optional[Any] = None
-    truncate_prompt_tokens: Optional[Any] = None
+    # vLLM's token-level controls and prompt handling (see SamplingParams).
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def unsupported(self) -> Optional[Tuple[str, str]]:
         """(field, why) when this request cannot be served as asked."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported yet"
-        for name in UNSUPPORTED_FIELDS:
-            if getattr(self, name) not in (None, [], {}):
-                return name, (f"{name} is not supported yet: fulcrum would generate without "
-                              "it, so the request is refused rather than answered differently")
         if self.guided_whitespace_pattern is not None:
             return "guided_whitespace_pattern", ("guided_whitespace_pattern is not supported; "
                                                  "structured_outputs.disable_any_whitespace is")
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
+
+    def token_logit_bias(self) -> Optional[Dict[int, float]]:
+        """logit_bias with its keys (token ids as JSON strings, in OpenAI's form) as ints."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError:
+            raise FieldError("logit_bias", "logit_bias keys must be token ids, got "
+                             f"{next(k for k in self.logit_bias if not k.lstrip('-').isdigit())!r}"
+                             ) from None
 
     def structured_output_params(self) -> Optional[StructuredOutputsParams]:
         """The output constraint from whichever of response_format, structured_outputs and
@@ -160,6 +161,9 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_output_params(),
+            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **{k: v for k, v in optional.items() if v is not None})
 
     @property
@@ -188,8 +192,9 @@ class CompletionRequest(SamplingRequest):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of must equal n (fulcrum does not rank candidates)"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs is not supported yet (no prompt logprobs)"
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is not None \
+                and self.prompt_logprobs != self.logprobs:
+            return "prompt_logprobs", "with echo and logprobs, prompt_logprobs must equal logprobs"
         return super().unsupported()
 
     def prompts(self) -> List[Union[str, List[int]]]:
@@ -414,9 +419,20 @@ class _Response(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt token (the first has none), token id -> its logprob.
+PromptLogprobs = List[Optional[Dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(_Choice):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(_Response):
@@ -481,6 +497,7 @@ class ChatStreamChoice(_ChatChoice):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: List[ChatChoice]
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatCompletionChunk(_Response):

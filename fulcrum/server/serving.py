@@ -32,7 +32,7 @@ from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      ChatResponseMessage, ChatStreamChoice, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      DeltaMessage, ErrorInfo, ErrorResponse,
-                                     PromptTokensDetails, SamplingRequest,
+                                     PromptLogprob, PromptTokensDetails, SamplingRequest,
                                      TokenLogprob, TopLogprob, UsageInfo)
 
 T = TypeVar("T")
@@ -77,6 +77,11 @@ class _Delta:
     offset: int  # where the delta's first token starts in the choice's text
     token_ids: List[int]
     logprobs: List[Dict[int, Logprob]]
+    # With echo and logprobs, the delta that carries the prompt carries its logprobs too.
+    prompt_token_ids: List[int] = field(default_factory=list)
+    prompt_logprobs: List[Optional[Dict[int, Logprob]]] = field(default_factory=list)
+    # vLLM's prompt_logprobs field: in the first delta after they are computed.
+    new_prompt_logprobs: Optional[list] = None
 
 
 @dataclass
@@ -85,6 +90,9 @@ class _Choice:
 
     index: int
     prefix: str = ""  # the prompt, with echo: sent before the first delta
+    prompt_token_ids: List[int] = field(default_factory=list)  # with echo
+    prompt_logprobs: Optional[list] = None  # once computed (vLLM's prompt_logprobs)
+    sent_prompt_logprobs: bool = False
     text: str = ""
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
@@ -92,9 +100,15 @@ class _Choice:
     stop_reason: Union[int, str, None] = None
 
     def add(self, completion: CompletionOutput) -> _Delta:
-        text = (self.prefix if not self.text else "") + completion.text
+        echoing = not self.text
+        text = (self.prefix if echoing else "") + completion.text
         delta = _Delta(text, len(self.text) + len(text) - len(completion.text),
                        list(completion.token_ids), list(completion.logprobs or []))
+        if echoing and self.prefix:
+            delta.prompt_token_ids = self.prompt_token_ids
+            delta.prompt_logprobs = self.prompt_logprobs or []
+        if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            delta.new_prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         self.text += text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -104,7 +118,12 @@ class _Choice:
 
     def whole(self) -> _Delta:
         """Everything so far, as one delta (for a response that is not streamed)."""
-        return _Delta(self.text, len(self.prefix), self.token_ids, self.logprobs)
+        delta = _Delta(self.text, len(self.prefix), self.token_ids, self.logprobs,
+                       new_prompt_logprobs=self.prompt_logprobs)
+        if self.prefix:
+            delta.prompt_token_ids = self.prompt_token_ids
+            delta.prompt_logprobs = self.prompt_logprobs or []
+        return delta
 
 
 class _Generation:
@@ -113,12 +132,16 @@ class _Generation:
     def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False) -> None:
         self.n = n
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
-        self.choices = [_Choice(i * n + j, prefix=text if echo and text else "")
-                        for i, (text, _) in enumerate(prompts) for j in range(n)]
+        self.choices = [_Choice(i * n + j, prefix=text if echo and text else "",
+                                prompt_token_ids=ids if echo else [])
+                        for i, (text, ids) in enumerate(prompts) for j in range(n)]
         self.cached_tokens = [0] * len(prompts)  # prompt tokens found in the prefix cache
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
         self.cached_tokens[prompt_index] = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            for choice in self.choices[prompt_index * self.n:(prompt_index + 1) * self.n]:
+                choice.prompt_logprobs = output.prompt_logprobs
         for completion in output.outputs:
             choice = self.choices[prompt_index * self.n + completion.index]
             yield choice, choice.add(completion)
@@ -136,21 +159,34 @@ class _Generation:
                              cached_tokens=sum(self.cached_tokens)))
 
 
-def _legacy_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
-                     offset: int) -> CompletionLogprobs:
-    """OpenAI's completions logprobs; `offset` is where the first token starts in the text."""
+def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str]) -> CompletionLogprobs:
+    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none)."""
     result = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
-        token = entry[token_id].decoded_token or ""
+    offset = delta.offset - sum(len(decode(t)) for t in delta.prompt_token_ids)
+    entries = list(zip(delta.prompt_token_ids, delta.prompt_logprobs or
+                       [None] * len(delta.prompt_token_ids)))
+    for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
+        token = entry[token_id].decoded_token or "" if entry else decode(token_id)
         result.tokens.append(token)
-        result.token_logprobs.append(entry[token_id].logprob)
-        top: Dict[str, float] = {}
-        for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens may decode alike
-            top.setdefault(lp.decoded_token or "", lp.logprob)
+        result.token_logprobs.append(entry[token_id].logprob if entry else None)
+        top: Optional[Dict[str, float]] = None
+        if entry:
+            top = {}
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens may decode alike
+                top.setdefault(lp.decoded_token or "", lp.logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offset)
+        result.text_offset.append(max(offset, 0))
         offset += len(token)
     return result
+
+
+def _prompt_logprobs(entries: Optional[list]) -> Optional[list]:
+    """vLLM's prompt_logprobs field: per prompt token, token id -> logprob, rank, text."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                     decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in entries]
 
 
 def _top_logprob(logprob: Logprob) -> TopLogprob:
@@ -260,7 +296,9 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Request) -> Union[Response, BaseModel]:
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
-        prompts = self._completion_prompts(request)
+        if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
+            params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+        prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
         self._check(prompts, params, request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = _Generation(prompts, request.n, request.echo)
@@ -270,12 +308,17 @@ class OpenAIServing:
             return CompletionResponse(id=request_id, created=created, model=self.model_name,
                                       choices=choices, usage=usage)
 
+        decode = lambda token: self.llm.tokenizer.decode([token], False)  # noqa: E731
+
         def choice(c: _Choice, delta: _Delta) -> CompletionChoice:
             logprobs = None
             if request.logprobs is not None:
-                logprobs = _legacy_logprobs(delta.logprobs, delta.token_ids, delta.offset)
-            return CompletionChoice(index=c.index, text=delta.text, logprobs=logprobs,
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                logprobs = _legacy_logprobs(delta, decode)
+            asked = request.prompt_logprobs is not None
+            return CompletionChoice(
+                index=c.index, text=delta.text, logprobs=logprobs,
+                prompt_logprobs=_prompt_logprobs(delta.new_prompt_logprobs) if asked else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
         outputs = self._generate(prompts, params, request_id, request)
         return await self._respond(
@@ -285,18 +328,21 @@ class OpenAIServing:
             final=lambda: response([choice(c, c.whole()) for c in generation.choices],
                                    generation.usage()))
 
-    def _completion_prompts(self, request: CompletionRequest) -> List[EnginePrompt]:
+    def _completion_prompts(self, request: CompletionRequest,
+                            truncate: Optional[int]) -> List[EnginePrompt]:
         try:
-            return [self._engine_prompt(p, request.add_special_tokens) for p in request.prompts()]
+            return [self._engine_prompt(p, request.add_special_tokens, truncate)
+                    for p in request.prompts()]
         except (ValueError, TypeError) as error:
             raise bad_request(error) from None
 
-    def _engine_prompt(self, prompt: Union[str, List[int]], add_special: bool) -> EnginePrompt:
+    def _engine_prompt(self, prompt: Union[str, List[int]], add_special: bool,
+                       truncate: Optional[int]) -> EnginePrompt:
         """(text, token ids) of one prompt, checked against the model's limits."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt,
                       "prompt_token_ids": self.llm.engine.encode(prompt, add_special)}
-        text, token_ids = self.llm.process_prompt(prompt)
+        text, token_ids = self.llm.process_prompt(prompt, truncate)
         return (text if text is not None else self.llm.tokenizer.decode(token_ids)), token_ids
 
     # --------------------------------------------------------------- chat
@@ -313,7 +359,7 @@ class OpenAIServing:
                                 "--trust-request-chat-template to allow it", "chat_template")
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
                                   request.chat_template, request.chat_template_kwargs,
-                                  request.tool_dicts)
+                                  request.tool_dicts, params.truncate_prompt_tokens)
         self._check([prompt], params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _Generation([prompt], request.n)
@@ -364,8 +410,11 @@ class OpenAIServing:
                                           logprobs=logprobs(c.whole()),
                                           finish_reason=finish_reason,
                                           stop_reason=c.stop_reason))
+            prompt_logprobs = (_prompt_logprobs(generation.choices[0].prompt_logprobs)
+                               if request.prompt_logprobs is not None else None)
             return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
-                                          usage=generation.usage(), choices=choices)
+                                          usage=generation.usage(), choices=choices,
+                                          prompt_logprobs=prompt_logprobs)
 
         roles = [chunk([ChatStreamChoice(index=c.index,
                                          delta=DeltaMessage(role="assistant", content=""))])
@@ -403,8 +452,10 @@ class OpenAIServing:
     def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None,
                     template_kwargs: Optional[Dict[str, Any]] = None,
-                    tools: Optional[List[Dict[str, Any]]] = None) -> EnginePrompt:
-        """(text, token ids) of a conversation through the model's chat template."""
+                    tools: Optional[List[Dict[str, Any]]] = None,
+                    truncate: Optional[int] = None) -> EnginePrompt:
+        """(text, token ids) of a conversation through the model's chat template (its last
+        `truncate` tokens, if given)."""
         tokenizer = self.llm.tokenizer
         kwargs = dict(template_kwargs or {})
         if tools:
@@ -414,7 +465,8 @@ class OpenAIServing:
                                                  add_generation_prompt,
                                                  chat_template or self.chat_template, **kwargs)
             token_ids = self.llm.engine.encode(text, add_special_tokens=False)
-            return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids})
+            return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
+                                           truncate)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise bad_request(error) from None
 
