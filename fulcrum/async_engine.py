@@ -43,7 +43,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine, PromptType
 from fulcrum.outputs import RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
-from fulcrum.stats import StepStats
+from fulcrum.stats import StepReport
 from fulcrum.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,16 +82,6 @@ class LoopStats:
         if self.busy_seconds <= 0:
             return 0.0
         return 1.0 - self.forward_seconds / self.busy_seconds
-
-
-@dataclasses.dataclass
-class StepReport:
-    """What one engine step tells the event loop."""
-
-    outputs: List[RequestOutput]  # DELTA outputs: only what is new since the last report
-    stats: Optional[StepStats]
-    num_preempted: int  # requests waiting to resume after a preemption
-    time: float  # time.monotonic() when the step ended
 
 
 Listener = Callable[[StepReport], None]

@@ -75,6 +75,13 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
     enforce_eager: bool = False
+    # vLLM: run code shipped in the model folder. fulcrum never does (only False).
+    trust_remote_code: bool = False
+    # vLLM: which tokenizer implementation; fulcrum has one, tokenizer.json (only "auto").
+    tokenizer_mode: str = "auto"
+    # vLLM: no periodic stats line from the server, and no metrics from LLM (whose default
+    # is True, as in vLLM).
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         self._check_ranges()
@@ -109,6 +116,12 @@ class EngineConfig:
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet: fulcrum "
                                  "runs one process on one device (only 1 is accepted)")
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True is refused: fulcrum runs no code from "
+                             "model folders (its architectures are built in; see the README)")
+        if self.tokenizer_mode != "auto":
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: fulcrum "
+                             "reads the model's tokenizer.json (only 'auto')")
         if self.batching_mode not in ("continuous", "static"):
             raise ValueError(
                 f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")

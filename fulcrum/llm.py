@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
 from fulcrum.config import EngineConfig
+from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType
+from fulcrum.metrics import EngineMetrics, Metric, snapshot
 from fulcrum.outputs import RequestOutput
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import RequestOutputKind, SamplingParams
+from fulcrum.stats import StepReport
 from fulcrum.tokenizer import Tokenizer
 
 Messages = List[Dict[str, Any]]
@@ -24,8 +28,21 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        self._metrics: Optional[EngineMetrics] = None
+        if not self.llm_engine.config.disable_log_stats:
+            self._metrics = EngineMetrics(self.llm_engine, model or DEFAULT_MODEL_NAME)
+        self._kinds: Dict[str, RequestOutputKind] = {}
+
+    def get_metrics(self) -> List[Metric]:
+        """The engine's metrics now, as the server's /metrics has them (vLLM's
+        `LLM.get_metrics()`); needs `disable_log_stats=False`."""
+        if self._metrics is None:
+            raise ValueError("metrics are off: create the LLM with disable_log_stats=False")
+        self._metrics.refresh_state()
+        return snapshot(self._metrics.registry)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
@@ -56,9 +73,10 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
+        max_tokens = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             token_ids = engine.prepare_prompt(prompt, params)[1]
-            engine.validate_params(params, len(token_ids))
+            max_tokens.append(engine.validate_params(params, len(token_ids)))
             engine.validate_priority(priority[i] if priority is not None else 0)
             engine.cache_salt(prompt)
         ids = []
@@ -68,6 +86,9 @@ class LLM:
             engine.add_request(request_id, prompt, params,
                                priority=priority[i] if priority is not None else 0)
             ids.append(request_id)
+            if self._metrics is not None:
+                self._kinds[request_id] = params.output_kind
+                self._metrics.record_params(params, max_tokens[i])
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
@@ -107,7 +128,9 @@ class LLM:
                    dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                self._record(outputs)
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
@@ -117,6 +140,19 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in request_ids]
+
+    def _record(self, outputs: List[RequestOutput]) -> None:
+        if self._metrics is None:
+            return
+        engine, now = self.llm_engine, time.monotonic()
+        preempted = engine.scheduler.stats().num_preempted_waiting
+        self._metrics.record(StepReport([], engine.last_step_stats, preempted, now))
+        for output in outputs:
+            kind = self._kinds.get(output.request_id, RequestOutputKind.DELTA)
+            self._metrics.record(StepReport([output], None, preempted, now),
+                                 cumulative=kind is not RequestOutputKind.DELTA)
+            if output.finished:
+                self._kinds.pop(output.request_id, None)
 
 
 def _as_prompt_list(prompts) -> List[PromptType]:

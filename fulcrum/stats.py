@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from fulcrum.outputs import RequestOutput
 
 
 @dataclass
@@ -34,3 +37,13 @@ class StepStats:
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class StepReport:
+    """What one engine step tells its observers (the server's event loop, the metrics)."""
+
+    outputs: List["RequestOutput"]  # DELTA outputs: only what is new since the last report
+    stats: Optional[StepStats]
+    num_preempted: int  # requests waiting to resume after a preemption
+    time: float  # time.monotonic() when the step ended

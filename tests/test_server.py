@@ -341,9 +341,16 @@ def test_metrics_count_the_requests(server, client, async_llm):
     assert delta("fulcrum:prompt_tokens_total") == response.usage.prompt_tokens
     assert delta("fulcrum:generation_tokens_total") == 15
     for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
-                      "time_per_output_token"):
+                      "request_time_per_output_token", "request_prefill_time",
+                      "request_decode_time", "request_inference_time"):
         assert delta(f"fulcrum:{histogram}_seconds_count") == 3
+    for histogram in ("request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"fulcrum:{histogram}_count") == 3
+    assert delta("fulcrum:request_generation_tokens_sum") == 15
+    assert delta("fulcrum:request_params_max_tokens_sum") == 15
+    assert delta("fulcrum:request_params_n_count") == 3
     assert delta("fulcrum:inter_token_latency_seconds_count") == 3 * 4
+    assert delta("fulcrum:time_per_output_token_seconds_count") == 3 * 4  # vLLM's meaning
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_preempted",
                   "kv_cache_usage_perc"):
         assert after[(f"fulcrum:{gauge}", None)] == 0

@@ -16,7 +16,7 @@ import pytest
 from conftest import free_port
 from fulcrum import LLM, SamplingParams
 from fulcrum.async_engine import AsyncLLM, StepReport
-from fulcrum.server.cli import register, served_model_name
+from fulcrum.server.cli import register, served_model_names
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -121,14 +121,14 @@ def test_serve_command_line():
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9001, ["k"])
     assert (args.max_num_seqs, args.enable_prefix_caching) == (8, False)
     assert (args.kv_cache_memory_bytes, args.scheduling_policy) == (1000000, "priority")
-    assert served_model_name(args) == "/models/x"
+    assert served_model_names(args) == ["/models/x"]
     assert callable(args.func)
 
 
 def test_serve_defaults_to_loopback_and_builtin_model():
     args = _serve_parser().parse_args(["serve"])
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
-    assert served_model_name(args) == "fulcrum-default-135m"
+    assert served_model_names(args) == ["fulcrum-default-135m"]
 
 
 LAUNCH = """

@@ -14,10 +14,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import running_server
-from fulcrum.async_engine import StepReport
+from fulcrum.stats import StepReport
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.request import RequestMetrics, SloTargets
-from fulcrum.server.metrics import ServerMetrics, slo_results, token_buckets
+from fulcrum.metrics import slo_results, token_buckets
+from fulcrum.server.metrics import ServerMetrics
 from fulcrum.stats import StepStats
 
 MODEL = "tiny-llama"
@@ -71,8 +72,12 @@ class _FakeAsyncLLM:
     def __init__(self) -> None:
         self.loop_stats = SimpleNamespace(busy_seconds=0.0, forward_seconds=0.0,
                                           overhead_fraction=0.0)
-        self.config = SimpleNamespace(max_num_batched_tokens=64)
-        self.engine = SimpleNamespace(slo_defaults=SloTargets(2.0, 0.125), scheduler=None)
+        self.config = SimpleNamespace(max_num_batched_tokens=64, max_model_len=128,
+                                      block_size=16, kv_cache_dtype="auto",
+                                      enable_prefix_caching=True, gpu_memory_utilization=0.9)
+        self.engine = SimpleNamespace(slo_defaults=SloTargets(2.0, 0.125), scheduler=None,
+                                      config=self.config,
+                                      block_manager=SimpleNamespace(num_usable_blocks=8))
         self.listeners = []
 
     def add_listener(self, listener) -> None:

@@ -293,3 +293,28 @@ def test_server_refuses_bad_constraints(server, async_llm, extra, param, message
     error = reply.json()["error"]
     assert message in error["message"] and error["param"] == param
     assert async_llm.is_healthy and async_llm.engine.get_num_unfinished_requests() == 0
+
+
+# -------------------------------------------- real weights through the openai client
+@pytest.fixture(scope="module")
+def stories_client(stories_dir):
+    """stories260K knows nothing of JSON: the constraint does all the work."""
+    import openai
+
+    with running_server(stories_dir, "stories", scheduling_policy="fcfs") as (server, _):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+def test_openai_client_on_real_weights(stories_client):
+    def texts(**extra):
+        result = stories_client.completions.create(
+            model="stories", prompt="Once upon a time", max_tokens=120, n=3, temperature=1.0,
+            seed=7, extra_body=extra)
+        return [c.text for c in result.choices]
+
+    for text in texts(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}):
+        assert conforms(json.loads(text)), text
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": COLORS}}
+    assert set(texts(response_format=fmt)) <= set(COLOR_TEXTS)
+    assert all(re.fullmatch(r"[a-z]+ [0-9]{2}", t) for t in texts(guided_regex=r"[a-z]+ [0-9]{2}"))
+    assert set(texts(guided_choice=["Lily", "Tom"])) <= {"Lily", "Tom"}

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import running_server
 from fulcrum import LLM, SamplingParams
+from fulcrum.sampling_params import RequestOutputKind
 from fulcrum.cli import build_parser
 from fulcrum.generation_config import load_generation_defaults
 
@@ -136,7 +137,7 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(tuned_server, caplog):
                                       "tool_choice": "none"})
     assert reply.status_code == 200
     assert "ignored unknown request fields: frobnicate" in caplog.text
-    assert "prompt tokens" in caplog.text  # --enable-log-requests: one line per request
+    assert "(5 tokens)" in caplog.text  # --enable-log-requests: one line per request
     priority = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 1, "priority": 3})
     assert priority.status_code == 400
     assert "needs scheduling_policy='priority'" in priority.json()["error"]["message"]
@@ -167,3 +168,89 @@ def test_server_template_renders_text_parts_one_a_line(llama_dir):
         refused = httpx.post(server.url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": image}], "max_tokens": 1})
         assert refused.status_code == 400 and "text-only" in refused.text
+
+
+# ------------------------------------------------- vLLM's arguments and options
+def test_no_op_arguments_and_refusals(llama_dir):
+    with pytest.raises(ValueError, match="runs no code from model folders"):
+        LLM(str(llama_dir), trust_remote_code=True)
+    with pytest.raises(ValueError, match="only 'auto'"):
+        LLM(str(llama_dir), tokenizer_mode="slow")
+    args = build_parser().parse_args(["serve", "--no-trust-remote-code", "--tokenizer-mode",
+                                      "auto", "--disable-log-stats", "--max-log-len", "20",
+                                      "--served-model-name", "a", "b",
+                                      "--allowed-origins", '["http://x.example"]',
+                                      "--allow-credentials"])
+    assert args.disable_log_stats and args.max_log_len == 20
+    assert args.served_model_name == ["a", "b"]
+    from fulcrum.server.cli import cors_options
+    assert cors_options(args) == {"allow_origins": ["http://x.example"], "allow_methods": ["*"],
+                                  "allow_headers": ["*"], "allow_credentials": True}
+    assert cors_options(build_parser().parse_args(["serve"])) is None
+
+
+def test_llm_get_metrics(llama_dir):
+    quiet = LLM(str(llama_dir))
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        quiet.get_metrics()
+    llm = LLM(str(llama_dir), disable_log_stats=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([PROMPT, PROMPT[:3]], params, use_tqdm=False)
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, n=2,
+                                          output_kind=RequestOutputKind.DELTA), use_tqdm=False)
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert metrics[("fulcrum:prompt_tokens", None)].value == 5 + 3 + 5
+    assert metrics[("fulcrum:generation_tokens", None)].value == 4 + 4 + 2 * 3
+    assert metrics[("fulcrum:request_success", "length")].value == 3
+    prompt_sizes = metrics[("fulcrum:request_prompt_tokens", None)]
+    assert prompt_sizes.kind == "histogram" and prompt_sizes.count == 3
+    assert prompt_sizes.sum == 13 and prompt_sizes.buckets["5.0"] == 3
+    assert metrics[("fulcrum:request_params_n", None)].sum == 1 + 1 + 2
+    assert metrics[("fulcrum:num_requests_running", None)].value == 0
+
+
+@pytest.fixture(scope="module")
+def options_server(llama_dir):
+    cors = {"allow_origins": ["http://ui.example"], "allow_methods": ["*"],
+            "allow_headers": ["*"], "allow_credentials": False}
+    with running_server(llama_dir, ["main", "alias"], app_kwargs={
+            "cors": cors, "log_requests": True, "max_log_len": 3,
+            "stats_interval": 0.05}) as (server, _):
+        yield server
+
+
+def test_aliases_cors_and_log_len(options_server, caplog):
+    url = options_server.url
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["main", "alias"]
+    with caplog.at_level(logging.INFO):
+        reply = httpx.post(url + "/v1/completions", json={"model": "alias", "prompt": "hello",
+                                                         "max_tokens": 30, "ignore_eos": True})
+    assert reply.json()["model"] == "main"
+    assert "prompt 'hel', prompt_token_ids [71, 68, 75] (5 tokens)" in caplog.text
+    assert "Avg prompt throughput:" in caplog.text and "Running: " in caplog.text
+    assert httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "x"}
+                      ).status_code == 404
+    preflight = httpx.options(url + "/v1/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+    elsewhere = httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in elsewhere.headers
+    scrape = httpx.get(url + "/metrics").text
+    assert 'fulcrum:cache_config_info{block_size="16"' in scrape
+
+
+def test_no_cors_headers_unless_asked(tuned_server):
+    reply = httpx.get(tuned_server.url + "/v1/models", headers={"Origin": "http://ui.example"})
+    assert "access-control-allow-origin" not in reply.headers
+
+
+def test_stats_line():
+    from fulcrum.scheduler import SchedulerStats
+    from fulcrum.server.metrics import stats_line
+
+    idle = SchedulerStats(0, 0, 0, 0, 0, 100, 0.0, 0, 0)
+    assert stats_line(10.0, 0, 0, idle) is None
+    busy = SchedulerStats(3, 1, 0, 0, 25, 100, 0.25, 200, 50)
+    assert stats_line(10.0, 1000, 250, busy) == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 25.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")

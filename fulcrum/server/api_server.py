@@ -14,10 +14,14 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import contextlib
+from typing import AsyncIterator
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
-from fulcrum.server.metrics import ServerMetrics
+from fulcrum.server.metrics import ServerMetrics, StatsLogger
 from fulcrum.server.middleware import BodyGuard, DrainGate, error_response
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -100,19 +104,26 @@ def _api_key_checker(api_keys: Sequence[str]) -> Callable[[Request], None]:
     return check
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str,
+def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
               api_key: Union[None, str, Sequence[str]] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               trust_request_chat_template: bool = False,
               log_requests: bool = False, chat_template: Optional[str] = None,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
-    """The server's app. `api_key`: one key or several; None or empty leaves /v1 open.
-    `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused)."""
+              tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
+              cors: Optional[Dict[str, Any]] = None,
+              stats_interval: Optional[float] = None) -> FastAPI:
+    """The server's app. `served_model_name`: one name or several (aliases; the first is the
+    one responses carry). `api_key`: one key or several; None or empty leaves /v1 open.
+    `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused).
+    `cors`: CORSMiddleware's keywords (allow_origins, ...), None for no CORS headers.
+    `stats_interval`: seconds between stats lines in the log (None: none)."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    metrics = ServerMetrics(async_llm, names[0])
+    serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
+                            chat_template, tool_call_parser, max_log_len, metrics)
     app = FastAPI(title="fulcrum", version=__version__,
-                  description="OpenAI-compatible API of the fulcrum inference engine")
-    serving = OpenAIServing(async_llm, served_model_name, trust_request_chat_template,
-                            log_requests, chat_template, tool_call_parser)
-    metrics = ServerMetrics(async_llm, served_model_name)
+                  description="OpenAI-compatible API of the fulcrum inference engine",
+                  lifespan=_lifespan(StatsLogger(async_llm, metrics, stats_interval)))
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.draining = False
@@ -122,7 +133,20 @@ def build_app(async_llm: AsyncLLM, served_model_name: str,
     app.include_router(_utility_routes(serving, metrics, lambda: app.state.draining))
     app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
     return app
+
+
+def _lifespan(stats_logger: "StatsLogger") -> Callable[[FastAPI], Any]:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(stats_logger.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+    return lifespan
 
 
 def _openai_routes(serving: OpenAIServing, api_keys: Sequence[str]) -> APIRouter:
@@ -140,9 +164,9 @@ def _openai_routes(serving: OpenAIServing, api_keys: Sequence[str]) -> APIRouter
     @router.get("/models")
     async def models() -> ModelList:
         llm = serving.llm
-        return ModelList(data=[ModelCard(id=serving.model_name, created=created,
-                                         root=llm.engine.model_dir,
-                                         max_model_len=llm.config.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, created=created, root=llm.engine.model_dir,
+                                         max_model_len=llm.config.max_model_len)
+                               for name in serving.model_names])
 
     return router
 

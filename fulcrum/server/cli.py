@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
@@ -12,6 +13,7 @@ API_KEY_ENV = "FULCRUM_API_KEY"
 # Copied from fulcrum.server.api_server, which imports the server's heavy dependencies.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+STATS_INTERVAL_S = 10.0  # vLLM's
 
 DESCRIPTION = """\
 Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions,
@@ -56,8 +58,21 @@ def register(subparsers) -> None:
                         choices=["hermes", "llama3_json", "mistral"],
                         help="the model's tool call format: hermes (Qwen, Hermes: "
                              "<tool_call>...</tool_call>), llama3_json, mistral ([TOOL_CALLS])")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model argument)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name(s) clients send; responses carry the first "
+                             "(default: the model argument)")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="with --enable-log-requests: most prompt characters and token "
+                             "ids logged per request (default: all)")
+    server.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
+                        help='CORS: allowed origins as a JSON list, e.g. \'["*"]\' (default: '
+                             "no CORS headers)")
+    server.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                        help="CORS: allowed methods as a JSON list (default [\"*\"])")
+    server.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                        help="CORS: allowed headers as a JSON list (default [\"*\"])")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info: one line per request)")
@@ -65,11 +80,18 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def served_model_name(args: argparse.Namespace) -> str:
+def served_model_names(args: argparse.Namespace) -> List[str]:
     from fulcrum.default_model import DEFAULT_MODEL_NAME
 
-    name: Optional[str] = args.served_model_name
-    return name or args.model or DEFAULT_MODEL_NAME
+    return list(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
+
+
+def cors_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """CORSMiddleware's keywords, or None when no --allowed-origins was given."""
+    if args.allowed_origins is None:
+        return None
+    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
 def api_keys(args: argparse.Namespace) -> List[str]:
@@ -88,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
-    app = build_app(async_llm, served_model_name(args), api_keys(args),
+    app = build_app(async_llm, served_model_names(args), api_keys(args),
                     args.max_request_body_bytes, args.trust_request_chat_template,
-                    args.enable_log_requests, template, parser)
+                    args.enable_log_requests, template, parser, args.max_log_len,
+                    cors_options(args),
+                    None if args.disable_log_stats else STATS_INTERVAL_S)
     try:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

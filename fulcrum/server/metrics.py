@@ -1,109 +1,23 @@
-"""Prometheus metrics of one server, fed by the engine's step reports.
-
-Names follow vLLM's (`vllm:` becomes `fulcrum:`), so existing dashboards need only the
-prefix changed. Every collector lives in a private CollectorRegistry per server, so two
-apps in one process (as in the tests) never share counts. Updates run on the event loop,
-from `AsyncLLM`'s listener hook, never on the engine thread.
-
-The queue and KV-cache gauges are set from every step report and refreshed from a live
-snapshot of the scheduler at each scrape: when the last request is aborted, or finishes, no
-later step may report the idle state, and a scrape must not show it still running. The
-snapshot is read from the event loop while the engine thread runs on; its fields are plain
-counts, each consistent on its own. `process_*` metrics (resident memory, CPU time, open
-files) come from prometheus_client's ProcessCollector.
-
-Latencies come from the engine's request timestamps where they are set once (arrival,
-first scheduled, first token, finished) and otherwise from the report's step time, which is
-when the step's tokens left the engine.
-
-Latency targets (SLOs) and the per-step budget, fulcrum's own (vLLM has no equivalent except
-`vllm:iteration_tokens_total`, kept here under its name):
-
-- `fulcrum:request_slo_total{target, result}`: counter of finished requests, `target` one of
-  `ttft`, `tpot`, `all` (both), `result` `met` or `missed`. Each request that finished with
-  reason `stop` or `length` (not `abort` or `error`) adds 1 to each target's `met` or
-  `missed`, judged against the targets it was scheduled for (`RequestMetrics.slo`: its own
-  `slo_ttft_ms`/`slo_tpot_ms`, else the engine's defaults). TTFT is met when
-  first token - arrival <= the TTFT target; TPOT (vLLM's definition) when
-  (last token - first token) / (output tokens - 1) <= the TPOT target, and always for a
-  request of one output token; an infinite target is always met. A request with n > 1
-  completions is judged by its first completion (whose timestamps its output carries).
-  Attainment = met / (met + missed) per target.
-- `fulcrum:slo_ttft_target_seconds`, `fulcrum:slo_tpot_target_seconds`: gauges, the
-  engine's default targets now (`LLMEngine.slo_defaults`; +Inf when there is none).
-- Per engine step (every step the engine takes, empty ones included, one observation each):
-  histograms `fulcrum:iteration_prefill_tokens` and `fulcrum:iteration_decode_tokens` (the
-  step's budget split: prompt tokens computed, decode tokens computed),
-  `fulcrum:iteration_tokens_total` (their sum, vLLM's), `fulcrum:step_time_seconds` (the
-  step's measured wall time) and `fulcrum:step_time_predicted_seconds` (what the step-time
-  model expected before running it), and gauges `fulcrum:last_step_prefill_tokens`,
-  `fulcrum:last_step_decode_tokens`, `fulcrum:last_step_time_seconds`,
-  `fulcrum:last_step_time_predicted_seconds` of the latest step. Mean split and mean step
-  time over a window come from the histograms' `_sum / _count` rates.
-- `fulcrum:step_time_prediction_error_ratio`: histogram of |actual - predicted| / actual per
-  step that computed something (an empty step has no prediction to judge).
-"""
+"""The server's Prometheus metrics: the engine's (fulcrum.metrics), recorded from the engine
+loop's step reports on the event loop, plus the loop's own busy and forward time and the
+process's (resident memory, CPU time, open files: prometheus_client's ProcessCollector)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, Tuple
+import asyncio
+import logging
+import time
+from typing import Dict, Iterator, Optional
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
-                               generate_latest)
+from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fulcrum.async_engine import AsyncLLM, StepReport
-from fulcrum.outputs import RequestOutput
-from fulcrum.request import RequestMetrics
-from fulcrum.stats import StepStats
+from fulcrum.async_engine import AsyncLLM
+from fulcrum.metrics import EngineMetrics
+from fulcrum.scheduler import SchedulerStats
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
-STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
-                     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-PREDICTION_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
-SLO_TARGETS = ("ttft", "tpot", "all")
-SLO_RESULTS = ("met", "missed")
-SLO_FINISH_REASONS = ("stop", "length")  # requests that ran their course
-
-
-def token_buckets(max_num_batched_tokens: int) -> Tuple[int, ...]:
-    """1, 2, 4, ... below the step budget, then the budget itself (as vLLM's
-    iteration_tokens_total, whose buckets end at max_num_batched_tokens)."""
-    buckets, size = [], 1
-    while size < max_num_batched_tokens:
-        buckets.append(size)
-        size *= 2
-    return tuple(buckets) + (max_num_batched_tokens,)
-
-
-def slo_results(metrics: RequestMetrics, num_output_tokens: int) -> Dict[str, bool]:
-    """{"ttft", "tpot", "all": met?} of a finished request against `metrics.slo`."""
-    targets = metrics.slo
-    ttft = metrics.time_to_first_token
-    ttft_met = math.isinf(targets.ttft_s) or (ttft is not None and ttft <= targets.ttft_s)
-    if math.isinf(targets.tpot_s) or num_output_tokens <= 1:
-        tpot_met = True
-    elif metrics.first_token_time is None or metrics.last_token_time is None:
-        tpot_met = False
-    else:
-        tpot = (metrics.last_token_time - metrics.first_token_time) / (num_output_tokens - 1)
-        tpot_met = tpot <= targets.tpot_s
-    return {"ttft": ttft_met, "tpot": tpot_met, "all": ttft_met and tpot_met}
-
-
-@dataclass
-class _Progress:
-    """What the metrics remember about a request between its outputs."""
-
-    last_time: float
-    tokens: Dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
+logger = logging.getLogger(__name__)
 
 
 class _LoopCollector(Collector):
@@ -131,215 +45,50 @@ class _LoopCollector(Collector):
         return iter((busy, forward, overhead))
 
 
-class ServerMetrics:
+class ServerMetrics(EngineMetrics):
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        self._async_llm = async_llm
-        self._labels = {"model_name": model_name}
-        self._progress: Dict[str, _Progress] = {}
-        self._last_stats: StepStats | None = None
-        self._define_gauges()
-        self._define_counters()
-        self._define_histograms()
+        super().__init__(async_llm.engine, model_name)
         self.registry.register(_LoopCollector(async_llm, self._labels))
         ProcessCollector(registry=self.registry)
         async_llm.add_listener(self.record)
 
-    def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, list(self._labels), registry=self.registry).labels(**self._labels)
 
-    def _counter(self, name: str, doc: str) -> Counter:
-        return Counter(name, doc, list(self._labels),
-                       registry=self.registry).labels(**self._labels)
+class StatsLogger:
+    """vLLM's periodic stats line: every `interval` seconds (None: never), the prompt and
+    generation throughput since the last line, the queues, the KV cache's use and the prefix
+    cache's hit rate. Quiet while the server is idle."""
 
-    def _histogram(self, name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-        return Histogram(name, doc, list(self._labels), buckets=tuple(buckets),
-                         registry=self.registry).labels(**self._labels)
+    def __init__(self, async_llm: AsyncLLM, metrics: EngineMetrics,
+                 interval: Optional[float]) -> None:
+        self.async_llm, self.metrics, self.interval = async_llm, metrics, interval
 
-    def _define_gauges(self) -> None:
-        self.running = self._gauge("fulcrum:num_requests_running", "Requests in the running batch")
-        self.waiting = self._gauge("fulcrum:num_requests_waiting", "Requests waiting to run")
-        self.preempted = self._gauge("fulcrum:num_requests_preempted",
-                                     "Waiting requests that were preempted and must resume")
-        self.kv_usage = self._gauge("fulcrum:kv_cache_usage_perc",
-                                    "Fraction of KV-cache blocks in use (1 = full)")
-        self.kv_blocks_used = self._gauge("fulcrum:kv_cache_blocks_used",
-                                          "KV-cache blocks referenced by requests (blocks "
-                                          "kept only for the prefix cache count as free)")
-        self.hit_rate = self._gauge("fulcrum:prefix_cache_hit_rate",
-                                    "Share of looked-up prompt tokens found in the prefix cache")
-        self.slo_ttft_target = self._gauge("fulcrum:slo_ttft_target_seconds",
-                                           "The engine's default time-to-first-token target "
-                                           "(requests may set their own)")
-        self.slo_tpot_target = self._gauge("fulcrum:slo_tpot_target_seconds",
-                                           "The engine's default time-per-output-token target "
-                                           "(requests may set their own)")
-        self.last_prefill_tokens = self._gauge("fulcrum:last_step_prefill_tokens",
-                                               "Prompt tokens computed by the latest step")
-        self.last_decode_tokens = self._gauge("fulcrum:last_step_decode_tokens",
-                                              "Decode tokens computed by the latest step")
-        self.last_step_time = self._gauge("fulcrum:last_step_time_seconds",
-                                          "Measured wall time of the latest step")
-        self.last_step_predicted = self._gauge("fulcrum:last_step_time_predicted_seconds",
-                                               "Step-time model's prediction for the latest step")
-        self._refresh_slo_targets()
-
-    def _define_counters(self) -> None:
-        self.finished = Counter("fulcrum:request_success", "Finished requests by finish reason",
-                                list(self._labels) + ["finished_reason"], registry=self.registry)
-        for reason in FINISH_REASONS:
-            self.finished.labels(finished_reason=reason, **self._labels)
-        self.prompt_tokens = self._counter("fulcrum:prompt_tokens", "Prompt tokens of requests")
-        self.generation_tokens = self._counter("fulcrum:generation_tokens", "Generated tokens")
-        self.preemptions = self._counter("fulcrum:num_preemptions", "Preemptions")
-        self.cache_queries = self._counter("fulcrum:prefix_cache_queries",
-                                           "Prompt tokens looked up in the prefix cache")
-        self.cache_hits = self._counter("fulcrum:prefix_cache_hits",
-                                        "Prompt tokens found in the prefix cache")
-        self.slo = Counter("fulcrum:request_slo",
-                           "Requests finished with reason stop or length, by whether they met "
-                           "their latency target (target: ttft, tpot, or all = both)",
-                           list(self._labels) + ["target", "result"], registry=self.registry)
-        self._slo_children = {(target, result): self.slo.labels(target=target, result=result,
-                                                                **self._labels)
-                              for target in SLO_TARGETS for result in SLO_RESULTS}
-
-    def _define_histograms(self) -> None:
-        self.ttft = self._histogram("fulcrum:time_to_first_token_seconds",
-                                    "Arrival to first token", LATENCY_BUCKETS)
-        self.tpot = self._histogram("fulcrum:time_per_output_token_seconds",
-                                    "Mean time per output token after the first, per request",
-                                    TOKEN_LATENCY_BUCKETS)
-        self.itl = self._histogram("fulcrum:inter_token_latency_seconds",
-                                   "Time between a request's consecutive outputs",
-                                   TOKEN_LATENCY_BUCKETS)
-        self.e2e = self._histogram("fulcrum:e2e_request_latency_seconds",
-                                   "Arrival to finish", LATENCY_BUCKETS)
-        self.queue_time = self._histogram("fulcrum:request_queue_time_seconds",
-                                          "Arrival to first scheduled", LATENCY_BUCKETS)
-        tokens = token_buckets(self._async_llm.config.max_num_batched_tokens)
-        self.step_prefill_tokens = self._histogram("fulcrum:iteration_prefill_tokens",
-                                                   "Prompt tokens computed per engine step",
-                                                   tokens)
-        self.step_decode_tokens = self._histogram("fulcrum:iteration_decode_tokens",
-                                                  "Decode tokens computed per engine step",
-                                                  tokens)
-        self.step_tokens = self._histogram("fulcrum:iteration_tokens_total",
-                                           "Tokens (prompt + decode) computed per engine step",
-                                           tokens)
-        self.step_time = self._histogram("fulcrum:step_time_seconds",
-                                         "Measured wall time of each engine step",
-                                         STEP_TIME_BUCKETS)
-        self.step_predicted = self._histogram("fulcrum:step_time_predicted_seconds",
-                                              "Step time the step-time model predicted for "
-                                              "each engine step", STEP_TIME_BUCKETS)
-        self.step_error = self._histogram("fulcrum:step_time_prediction_error_ratio",
-                                          "|actual - predicted| / actual step time, per step "
-                                          "that computed tokens", PREDICTION_ERROR_BUCKETS)
-
-    # ------------------------------------------------------------- updates
-    def record(self, report: StepReport) -> None:
-        if report.stats is not None:
-            self._record_step(report.stats, report.num_preempted)
-        for output in report.outputs:
-            self._record_output(output, report.time)
-
-    def _record_step(self, stats: StepStats, num_preempted: int) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.preempted.set(num_preempted)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.kv_blocks_used.set(stats.kv_blocks_used)
-        last = self._last_stats
-        self.preemptions.inc(stats.num_preemptions_total
-                             - (last.num_preemptions_total if last else 0))
-        self.cache_queries.inc(stats.prefix_cache_queries
-                               - (last.prefix_cache_queries if last else 0))
-        self.cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
-        if stats.prefix_cache_queries:
-            self.hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
-        self._last_stats = stats
-        self._record_budget(stats)
-
-    def _record_budget(self, stats: StepStats) -> None:
-        prefill, decode = stats.num_prefill_tokens, stats.num_decode_tokens
-        self.step_prefill_tokens.observe(prefill)
-        self.step_decode_tokens.observe(decode)
-        self.step_tokens.observe(prefill + decode)
-        self.step_time.observe(stats.wall_seconds)
-        self.step_predicted.observe(stats.predicted_seconds)
-        self.last_prefill_tokens.set(prefill)
-        self.last_decode_tokens.set(decode)
-        self.last_step_time.set(stats.wall_seconds)
-        self.last_step_predicted.set(stats.predicted_seconds)
-        if prefill + decode > 0 and stats.wall_seconds > 0:
-            self.step_error.observe(abs(stats.wall_seconds - stats.predicted_seconds)
-                                    / stats.wall_seconds)
-
-    def _record_output(self, output: RequestOutput, now: float) -> None:
-        progress = self._progress.get(output.request_id)
-        if progress is None:
-            progress = self._progress[output.request_id] = _Progress(now)
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self._observe_first(output)
-        else:
-            self.itl.observe(now - progress.last_time)
-            progress.last_time = now
-        for completion in output.outputs:
-            new = len(completion.token_ids)
-            progress.tokens[completion.index] = progress.tokens.get(completion.index, 0) + new
-            self.generation_tokens.inc(new)
-        if output.finished:
-            del self._progress[output.request_id]
-            self._observe_finish(output, progress)
-
-    def _observe_first(self, output: RequestOutput) -> None:
-        metrics = output.metrics
-        if metrics is None:
+    async def run(self) -> None:
+        if self.interval is None:
             return
-        if metrics.first_token_time is not None:
-            self.ttft.observe(metrics.time_to_first_token)
-        if metrics.first_scheduled_time is not None:
-            self.queue_time.observe(metrics.queue_time)
+        since, seen = time.monotonic(), dict(self.metrics.totals)
+        while True:
+            await asyncio.sleep(self.interval)
+            now, totals = time.monotonic(), dict(self.metrics.totals)
+            try:
+                stats = self.async_llm.engine.scheduler.stats()
+            except RuntimeError:  # a queue changed under the read: next time
+                continue
+            line = stats_line(now - since, totals["prompt_tokens"] - seen["prompt_tokens"],
+                              totals["generation_tokens"] - seen["generation_tokens"], stats)
+            if line:
+                logger.info(line)
+            since, seen = now, totals
 
-    def _observe_finish(self, output: RequestOutput, progress: _Progress) -> None:
-        reason = output.outputs[0].finish_reason if output.outputs else "abort"
-        self.finished.labels(finished_reason=reason or "abort", **self._labels).inc()
-        metrics = output.metrics
-        if metrics is None or metrics.finished_time is None:
-            return
-        self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-        longest = max(progress.tokens.values(), default=0)
-        if metrics.first_token_time is not None and longest > 1:
-            self.tpot.observe((progress.last_time - metrics.first_token_time) / (longest - 1))
-        if reason in SLO_FINISH_REASONS:
-            # `metrics` are the first completion's (index 0): judge by its token count.
-            for target, met in slo_results(metrics, progress.tokens.get(0, 0)).items():
-                self._slo_children[(target, "met" if met else "missed")].inc()
 
-    def refresh_state(self) -> None:
-        """Set the queue and KV-cache gauges from the scheduler as it stands now.
-
-        On failure (the engine thread changed a queue mid-read) the gauges keep the last step
-        report's values.
-        """
-        try:
-            stats = self._async_llm.engine.scheduler.stats()
-        except (RuntimeError, AttributeError):
-            return
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.preempted.set(stats.num_preempted_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.kv_blocks_used.set(stats.kv_blocks_used)
-        self._refresh_slo_targets()
-
-    def _refresh_slo_targets(self) -> None:
-        defaults = getattr(self._async_llm.engine, "slo_defaults", None)
-        if defaults is not None:
-            self.slo_ttft_target.set(defaults.ttft_s)
-            self.slo_tpot_target.set(defaults.tpot_s)
-
-    def render(self) -> bytes:
-        self.refresh_state()
-        return generate_latest(self.registry)
+def stats_line(seconds: float, prompt_tokens: int, generation_tokens: int,
+               stats: SchedulerStats) -> Optional[str]:
+    """The line for an interval, or None if nothing ran and nothing waits."""
+    if not (prompt_tokens or generation_tokens or stats.num_running or stats.num_waiting):
+        return None
+    queries = stats.prefix_cache_queries
+    hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
+    return (f"Avg prompt throughput: {prompt_tokens / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_tokens / seconds:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%")

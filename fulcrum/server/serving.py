@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.sampler import Logprob
 from fulcrum.sampling_params import SamplingParams
@@ -276,12 +277,16 @@ class OpenAIServing:
     by default, as in vLLM: the sandbox keeps a template from reaching the host, but not from
     looping for minutes on the event loop."""
 
-    def __init__(self, async_llm: AsyncLLM, model_name: str,
+    def __init__(self, async_llm: AsyncLLM, model_names: Sequence[str],
                  trust_request_chat_template: bool = False, log_requests: bool = False,
                  chat_template: Optional[str] = None,
-                 tool_call_parser: Optional[str] = None) -> None:
+                 tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
+                 metrics: Optional[EngineMetrics] = None) -> None:
         self.llm = async_llm
-        self.model_name = model_name
+        self.model_names = list(model_names)  # any may be asked for; responses carry the first
+        self.model_name = self.model_names[0]
+        self.max_log_len = max_log_len  # of a logged prompt: characters and token ids
+        self.metrics = metrics
         # --enable-auto-tool-choice with --tool-call-parser: how tool_choice "auto" reads calls.
         self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
@@ -289,7 +294,7 @@ class OpenAIServing:
         self.log_requests = log_requests
 
     def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     # -------------------------------------------------------- completions
@@ -506,8 +511,14 @@ class OpenAIServing:
                   request_id: str, request: SamplingRequest,
                   ) -> AsyncIterator[Tuple[int, RequestOutput]]:
         if self.log_requests:
-            logger.info("request %s: %s prompt tokens, %s", request_id,
-                        [len(ids) for _, ids in prompts], params)
+            for i, (text, ids) in enumerate(prompts):
+                logger.info("request %s-%d: prompt %r, prompt_token_ids %s (%d tokens), %s",
+                            request_id, i, (text or "")[:self.max_log_len],
+                            ids[:self.max_log_len], len(ids), params)
+        if self.metrics is not None:
+            limit = self.llm.config.max_model_len
+            for _, ids in prompts:
+                self.metrics.record_params(params, params.max_tokens or limit - len(ids))
         streams = [self.llm.generate({"prompt": text, "prompt_token_ids": ids,
                                       "cache_salt": request.cache_salt}, params,
                                      f"{request_id}-{i}", request.priority)
