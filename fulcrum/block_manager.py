@@ -156,6 +156,14 @@ class BlockManager:
             self._name_full_blocks(request, table, total)
         return True
 
+    def append_slot(self, request: Request) -> bool:
+        """Room for a running request's next token when that needs nothing done: its last
+        block has room and the token does not fill it (so no block is taken or named). The
+        check every decode passes through, every step; False sends it to allocate_slots."""
+        computed = request.num_computed_tokens + 1
+        return computed % self.block_size != 0 and \
+            computed <= len(self.block_tables[request.request_id]) * self.block_size
+
     def _grow(self, request: Request, table: List[int], num_new_tokens: int) -> bool:
         """allocate_slots for a request that holds blocks and has no new hits: the path of
         every decode, every step, kept short (the scheduler's cost is per running request)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, List, Optional, Set
 from fulcrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from fulcrum.sampler import SamplingRow
     from fulcrum.structured_output import RequestGrammar
 
 
@@ -109,6 +110,7 @@ class Request:
         # is None). Such a request reads nothing from the prefix cache: every prompt position
         # must pass through the model to have its logprobs.
         self.prompt_logprobs: Optional[list] = None
+        self.sampling_row: Optional[SamplingRow] = None  # the scheduler's, made once
 
     @property
     def ready(self) -> bool:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fulcrum.structured_output import RequestGrammar
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one request in the batch."""
 

@@ -23,7 +23,7 @@ from fulcrum.scheduling_policy import PrefillLimit, make_policy
 from fulcrum.step_time_model import StepShape, StepTimeModel
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """A contiguous run of one request's tokens to compute this step."""
 
@@ -152,16 +152,26 @@ class Scheduler:
         return self._build_output(plan)
 
     def _schedule_decodes(self, plan: _StepPlan) -> None:
+        # Runs for every running request, every step: locals, and `plan.add` inlined on the
+        # common path (the budget is synced with the plan around preemptions, which drop).
         running = RequestStatus.RUNNING
+        append_slot, tokens, budget = self.kv.append_slot, plan.tokens, plan.budget
         for request in self._in_order(self.running):
-            # Not `request.in_prefill`: this loop runs for every request, every step.
+            # Not `request.in_prefill`
             if len(request.all_token_ids) - request.num_computed_tokens > 1 \
                     or request.status is not running:
                 continue
-            if plan.budget < 1:
+            if budget < 1:
                 break
+            if append_slot(request):
+                tokens[request] = 1
+                budget -= 1
+                continue
+            plan.budget = budget
             if self._allocate(request, 1, plan):
                 plan.add(request, 1)
+            budget = plan.budget
+        plan.budget = budget
 
     def _schedule_prefills(self, plan: _StepPlan, may_admit: bool) -> None:
         plan.limit = self.policy.prefill_limit(list(plan.tokens), self.chunked_prefill)
@@ -325,9 +335,14 @@ class Scheduler:
 
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:
-        return SamplingRow(request.request_id, request.sampling_params, request.all_token_ids,
-                           request.num_prompt_tokens, request.sorted_stop_token_ids,
-                           request.grammar, request.bad_words_token_ids)
+        """Made once per request (everything in it is fixed, or a list that grows in place)."""
+        row = request.sampling_row
+        if row is None:
+            row = request.sampling_row = SamplingRow(
+                request.request_id, request.sampling_params, request.all_token_ids,
+                request.num_prompt_tokens, request.sorted_stop_token_ids, request.grammar,
+                request.bad_words_token_ids)
+        return row
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Dict[str, SampledToken]) -> List[Request]:

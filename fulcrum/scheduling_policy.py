@@ -11,6 +11,7 @@ each prompt's chunk. `fcfs` and `priority` cap chunks at a fixed size
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fulcrum.config import EngineConfig
@@ -56,15 +57,35 @@ class FixedChunkLimit(PrefillLimit):
 class StepTimeLimit(FixedChunkLimit):
     """Prompt chunks while the step's predicted time stays within `seconds` (and within an
     explicit `long_prefill_token_threshold`); prompts that have waited past their aging
-    bound get a minimum chunk regardless, so none starves."""
+    bound get a minimum chunk regardless, so none starves.
 
-    def __init__(self, model: StepTimeModel, shape: StepShape, seconds: float,
+    `budget()` gives (the decodes' step shape, the seconds they allow); it runs over every
+    decode, so only once a prompt asks for a chunk (most steps of a busy server have none)."""
+
+    def __init__(self, model: StepTimeModel, budget: Callable[[], Tuple[StepShape, float]],
                  is_aged: Callable[[Request], bool], threshold: int = 0) -> None:
         super().__init__(threshold)
         self.model = model
-        self.shape = shape
-        self.seconds = seconds
+        self._budget: Optional[Callable[[], Tuple[StepShape, float]]] = budget
+        self._shape = StepShape()
+        self._seconds = math.inf
         self.is_aged = is_aged
+
+    def _settle(self) -> None:
+        if self._budget is not None:
+            self._shape, self._seconds = self._budget()
+            self._budget = None
+
+    @property
+    def shape(self) -> StepShape:
+        self._settle()
+        return self._shape
+
+    @property
+    def seconds(self) -> float:
+        """The most time the step may take (finding it costs a pass over the decodes)."""
+        self._settle()
+        return self._seconds
 
     def cap(self, request: Request, start: int, wanted: int) -> int:
         wanted = super().cap(request, start, wanted)
@@ -83,8 +104,8 @@ class StepTimeLimit(FixedChunkLimit):
         if start + num_tokens >= request.num_tokens:
             # The prompt is done: its first token comes at the end of this step, so the
             # chunks still to come may delay it by one TPOT target at most, as a decode.
-            self.seconds = min(self.seconds, self.model.predict(self.shape)
-                               + request.metrics.slo.tpot_s)
+            self._seconds = min(self.seconds, self.model.predict(self.shape)
+                                + request.metrics.slo.tpot_s)
 
 
 class SchedulingPolicy:
@@ -121,9 +142,8 @@ class FcfsPolicy(SchedulingPolicy):
     """First come, first served: arrival order (request id breaks ties)."""
 
     name = "fcfs"
-
-    def key(self, request: Request) -> SortKey:
-        return (request.arrival_time, request.request_id)
+    # (arrival_time, request_id), read in C: running requests are sorted by it every step.
+    key = staticmethod(operator.attrgetter("arrival_time", "request_id"))  # type: ignore
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -202,10 +222,12 @@ class SloPolicy(FcfsPolicy):
     def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         if not chunked:
             return PrefillLimit()  # whole prompts only: a cap would only make them wait
-        # Runs every step over every decode (256 and more): one pass of plain arithmetic.
-        shape = StepShape.of_decodes([r.num_computed_tokens + 1 for r in decodes])
-        seconds = min(map(self.step_allowance, decodes), default=math.inf)
-        return StepTimeLimit(self.model, shape, seconds, self.is_aged,
+        def budget() -> Tuple[StepShape, float]:
+            # Over every decode (256 and more): one pass of plain arithmetic each.
+            shape = StepShape.of_decodes([r.num_computed_tokens + 1 for r in decodes])
+            return shape, min(map(self.step_allowance, decodes), default=math.inf)
+
+        return StepTimeLimit(self.model, budget, self.is_aged,
                              self.config.long_prefill_token_threshold)
 
 
