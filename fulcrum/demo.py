@@ -14,13 +14,18 @@ throughput, and how the short and the long requests fared:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
+import webbrowser
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 from fulcrum.engine_args import add_engine_args, engine_kwargs
+
+
+DASHBOARD_PAUSE_S = 2.0
 
 
 @dataclass
@@ -91,6 +96,12 @@ def register(subparsers) -> None:
                         help="seconds between short arrivals")
     parser.add_argument("--chunk-budget", type=int, default=256,
                         help="max_num_batched_tokens in the chunked runs")
+    parser.add_argument("--dashboard", nargs="?", type=int, const=8001, default=None,
+                        metavar="PORT", help="serve the live scheduler dashboard on this port "
+                                             "(default 8001) while the demo runs, and print "
+                                             "its URL")
+    parser.add_argument("--open", action="store_true",
+                        help="open the dashboard in a browser (implies --dashboard)")
     add_engine_args(parser, skip=("model", "enable_chunked_prefill", "max_num_batched_tokens",
                                   "scheduling_policy"))
     parser.set_defaults(func=run)
@@ -114,6 +125,24 @@ def _engine(args, overrides: dict):
     return LLMEngine(EngineConfig(**engine_kwargs(args), **overrides))
 
 
+@contextlib.contextmanager
+def _dashboard(args: argparse.Namespace) -> Iterator[Optional[Any]]:
+    """A dashboard over whichever engine the demo runs (None without --dashboard)."""
+    port = args.dashboard if args.dashboard is not None else (8001 if args.open else None)
+    if port is None:
+        yield None
+        return
+    from fulcrum.server import BackgroundServer
+    from fulcrum.server.dashboard import DashboardFeed, dashboard_app
+
+    feed = DashboardFeed(None, "starting")
+    with BackgroundServer(dashboard_app(feed), port=port) as server:
+        print(f"Dashboard: {server.url}/ (open the Dashboard tab)")
+        if args.open:
+            webbrowser.open(server.url + "/")
+        yield feed
+
+
 def run(args: argparse.Namespace) -> int:
     arrivals = make_arrivals(args.long_len, args.num_short, args.short_len, args.output_len,
                              args.interval, args.seed)
@@ -121,14 +150,18 @@ def run(args: argparse.Namespace) -> int:
           f"{args.short_len} tokens every {args.interval:.2f} s; {args.output_len} output tokens "
           "each.")
     summaries = []
-    for label, overrides in modes(args.chunk_budget).items():
-        engine = _engine(args, overrides)
-        print(f"\n== {label}: model {engine.model_dir} ({str(engine.dtype)[6:]}) ==")
-        run_schedule(engine, arrivals[1:2])  # warm-up
-        results = run_schedule(engine, arrivals)
-        for name in sorted(results):
-            print(f"  {name:9s} TTFT {results[name]['ttft'] * 1000:8.0f} ms")
-        summaries.append(summarise(label, results))
+    with _dashboard(args) as feed:
+        for label, overrides in modes(args.chunk_budget).items():
+            engine = _engine(args, overrides)
+            print(f"\n== {label}: model {engine.model_dir} ({str(engine.dtype)[6:]}) ==")
+            run_schedule(engine, arrivals[1:2])  # warm-up
+            if feed is not None:
+                feed.engine, feed.model_name = engine, label
+                time.sleep(DASHBOARD_PAUSE_S)  # the page catches up with the new engine
+            results = run_schedule(engine, arrivals)
+            summaries.append(summarise(label, results))
+            for name in sorted(results):
+                print(f"  {name:9s} TTFT {results[name]['ttft'] * 1000:8.0f} ms")
     print("\n{:52s} {:>10s} {:>12s} {:>10s} {:>9s} {:>10s}".format(
         "mode", "long TTFT", "short TTFT", "short max", "makespan", "tokens/s"))
     for s in summaries:

@@ -32,7 +32,7 @@ from fulcrum.outputs import RequestOutput
 from fulcrum.request import Request, RequestStatus, SloTargets
 from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from fulcrum.scheduler import Scheduler
-from fulcrum.stats import StepStats
+from fulcrum.stats import FinishedRequest, StepStats
 from fulcrum.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
 
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 PromptType = Union[str, List[int], Dict[str, Any]]
 STATS_HISTORY = 100_000
+FINISHED_HISTORY = 10_000
 # Normalizers may change a text's length a little before it is split into tokens.
 TEXT_SLACK = 2
 # A step with nothing to run while grammars compile waits this long for one to finish.
@@ -90,6 +91,8 @@ class LLMEngine:
                                   config.seed, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats: Deque[StepStats] = collections.deque(maxlen=STATS_HISTORY)
+        # Requests that ran their course, newest last (the dashboard's latency window).
+        self.recent_finished: Deque[FinishedRequest] = collections.deque(maxlen=FINISHED_HISTORY)
         self._aborted_children: List[str] = []
         self._grammar_compiler: Optional[GrammarCompiler] = None
         self._grammar_lock = threading.Lock()
@@ -121,6 +124,7 @@ class LLMEngine:
                 self.step()
         self.block_manager.reset_prefix_cache()
         self.stats.clear()
+        self.recent_finished.clear()
         self._step_counter = itertools.count()
         self.scheduler.reset_counters()
 
@@ -405,9 +409,10 @@ class LLMEngine:
         failed.update(self._advance_grammars(scheduled, sampled))
         failed.update(grammar_failed)
         self._fail(failed)
-        self.scheduler.update_from_output(scheduled, sampled)
+        ended = self.scheduler.update_from_output(scheduled, sampled)
         stopped, failed_later = self.output_processor.process_tokens(sampled)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        ended += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._record_finished(ended)
         self._fail(failed_later)
         touched = [*sampled, *failed, *failed_later, *self._aborted_children]
         self._aborted_children = []
@@ -427,6 +432,15 @@ class LLMEngine:
                 request.error = request.error or message
             self.scheduler.finish_requests([r.request_id for r in siblings],
                                            RequestStatus.FINISHED_ERROR)
+
+    def _record_finished(self, requests: List[Request]) -> None:
+        for request in requests:
+            metrics, count = request.metrics, request.num_output_tokens
+            first, last = metrics.first_token_time, metrics.last_token_time
+            self.recent_finished.append(FinishedRequest(
+                metrics.finished_time or time.monotonic(), metrics.time_to_first_token,
+                (last - first) / (count - 1) if count > 1 and first and last else None,
+                request.num_prompt_tokens, count, metrics.slo.ttft_s, metrics.slo.tpot_s))
 
     def _record_stats(self, scheduled, start_wall: float, wall: float, predicted: float) -> None:
         sched = self.scheduler.stats()

@@ -47,3 +47,17 @@ class StepReport:
     stats: Optional[StepStats]
     num_preempted: int  # requests waiting to resume after a preemption
     time: float  # time.monotonic() when the step ended
+
+
+@dataclass
+class FinishedRequest:
+    """A request that ran its course (finish reason stop or length), as the dashboard's
+    latency window reads it: times in seconds, time.monotonic()."""
+
+    finished_time: float
+    ttft_s: Optional[float]
+    tpot_s: Optional[float]  # mean time per output token after the first; None for one token
+    num_prompt_tokens: int
+    num_output_tokens: int
+    slo_ttft_s: float
+    slo_tpot_s: float

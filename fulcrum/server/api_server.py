@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
 from fulcrum.server.middleware import BodyGuard, DrainGate, error_response
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -111,12 +112,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
               log_requests: bool = False, chat_template: Optional[str] = None,
               tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
               cors: Optional[Dict[str, Any]] = None,
-              stats_interval: Optional[float] = None) -> FastAPI:
+              stats_interval: Optional[float] = None, web_ui: bool = True) -> FastAPI:
     """The server's app. `served_model_name`: one name or several (aliases; the first is the
     one responses carry). `api_key`: one key or several; None or empty leaves /v1 open.
     `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused).
     `cors`: CORSMiddleware's keywords (allow_origins, ...), None for no CORS headers.
-    `stats_interval`: seconds between stats lines in the log (None: none)."""
+    `stats_interval`: seconds between stats lines in the log (None: none). `web_ui`: serve
+    the playground and dashboard page at / (see dashboard.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = ServerMetrics(async_llm, names[0])
     serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
@@ -131,6 +133,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     app.include_router(_openai_routes(serving, keys))
     app.include_router(_utility_routes(serving, metrics, lambda: app.state.draining))
+    if web_ui:
+        feed = DashboardFeed(async_llm.engine, names[0])
+        app.include_router(dashboard_routes(feed, DemoLoad(async_llm), _api_key_checker(keys)))
+        app.mount("/static", static_files(), name="static")
     app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
@@ -214,7 +220,8 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
         if bad:
             raise bad_request(f"token id {bad[0]} is out of vocabulary (valid ids are "
                               f"0..{vocab - 1})")
-        return DetokenizeResponse(prompt=llm.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=llm.tokenizer.decode(request.tokens,
+                                                              request.skip_special_tokens))
 
     return router
 

@@ -73,6 +73,9 @@ def register(subparsers) -> None:
                         help="CORS: allowed headers as a JSON list (default [\"*\"])")
     server.add_argument("--allow-credentials", action="store_true",
                         help="CORS: allow credentials")
+    server.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve the chat playground and live scheduler dashboard at / "
+                             "(default on; --no-web-ui: API only)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info: one line per request)")
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     args.max_request_body_bytes, args.trust_request_chat_template,
                     args.enable_log_requests, template, parser, args.max_log_len,
                     cors_options(args),
-                    None if args.disable_log_stats else STATS_INTERVAL_S)
+                    None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui)
     try:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

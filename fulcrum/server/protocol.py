@@ -375,6 +375,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: Optional[str] = None
     tokens: List[int]
+    skip_special_tokens: bool = True  # False shows a chat template's special tokens too
 
 
 # ------------------------------------------------------------------ responses

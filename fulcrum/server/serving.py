@@ -48,7 +48,7 @@ class APIError(Exception):
     """An error the client caused or should know about, sent in OpenAI's error format."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             405: "MethodNotAllowedError", 409: "ConflictError", 413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,

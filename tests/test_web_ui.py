@@ -1,0 +1,176 @@
+"""The built-in page in a real browser (Debian's chromium, driven by Selenium): chat with
+streamed text and per-reply timings, the template's rendering, the dashboard's step chart and
+queue counts moving under the built-in load, the API key asked for and sent, and no request
+leaving for another host. The data endpoint and the switch are checked without a browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+
+from conftest import running_server
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="needs Debian's chromium and chromium-driver (the README's test command installs "
+           "them)")
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--window-size=1400,1000", "--disable-gpu"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def wait_for(condition, timeout=30.0, every=0.1):
+    """The first truthy value of condition() within the timeout (fails the test otherwise)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out waiting for the page")
+
+
+def requested_urls(driver):
+    urls = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir):
+    with running_server(llama_dir, scheduling_policy="fcfs", max_num_batched_tokens=64) as pair:
+        yield pair
+
+
+@pytest.fixture
+def driver():
+    instance = browser()
+    try:
+        yield instance
+    finally:
+        instance.quit()
+
+
+@needs_browser
+def test_chat_streams_a_reply_with_its_timings(server, driver):
+    from selenium.webdriver.common.by import By
+
+    driver.get(server.url + "/")
+    driver.execute_script("localStorage.clear()")
+    driver.get(server.url + "/")
+    wait_for(lambda: driver.find_element(By.ID, "model-name").text)
+    driver.find_element(By.ID, "max-tokens").clear()
+    driver.find_element(By.ID, "max-tokens").send_keys("24")
+    driver.find_element(By.ID, "chat-input").send_keys("hello there")
+    driver.find_element(By.ID, "send").click()
+    stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".message.assistant .reply-stats"))
+    text = stats[-1].text
+    match = re.fullmatch(r"TTFT \d+ ms · TPOT [\d.]+ ms · [\d.]+ tokens/s · (\d+) tokens", text)
+    assert match and 1 < int(match.group(1)) <= 24, text  # max_tokens 24 (EOS may end it)
+    replies = driver.find_elements(By.CSS_SELECTOR, ".message.assistant .content")
+    assert replies[-1].text.strip()
+    assert driver.find_elements(By.CSS_SELECTOR, ".message.user .content")[-1].text == \
+        "hello there"
+    driver.find_element(By.ID, "show-prompt").click()
+    rendered = wait_for(lambda: driver.find_element(By.ID, "rendered-prompt").text)
+    assert "<|im_start|>user\nhello there<|im_end|>" in rendered
+    # the conversation is kept in the browser, and a new one starts empty
+    driver.get(server.url + "/")
+    assert wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".message.user"))
+    driver.find_element(By.ID, "new-chat").click()
+    assert not driver.find_elements(By.CSS_SELECTOR, ".message")
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#conversations li")) == 2
+    assert all(url.startswith(server.url) for url in requested_urls(driver))
+
+
+@needs_browser
+def test_dashboard_shows_the_scheduler_at_work(server, async_llm, driver):
+    from selenium.webdriver.common.by import By
+
+    driver.get(server.url + "/")
+    driver.find_element(By.ID, "tab-dashboard").click()
+    wait_for(lambda: "policy" in driver.find_element(By.ID, "model-name").text)
+    steps_before = int(driver.find_element(By.ID, "step-count").text)
+    driver.find_element(By.ID, "fire-load").click()
+    assert "load started" in wait_for(lambda: driver.find_element(By.ID, "load-status").text
+                                      if "load started" in driver.find_element(
+                                          By.ID, "load-status").text else None)
+    seen_running, seen_rows = 0, 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen_running = max(seen_running, int(driver.find_element(By.ID, "q-running").text))
+        rows = driver.find_elements(By.CSS_SELECTOR, "#requests-table tbody tr")
+        seen_rows = max(seen_rows, len(rows))
+        if seen_running and seen_rows and async_llm.is_idle:
+            break
+        time.sleep(0.1)
+    assert seen_running >= 1 and seen_rows >= 1
+    wait_for(lambda: int(driver.find_element(By.ID, "step-count").text) > steps_before + 5)
+    chart = driver.find_element(By.ID, "chart-steps")
+    assert int(chart.get_attribute("data-points")) > 5
+    wait_for(lambda: driver.find_element(By.ID, "ttft").text != "-", timeout=10)
+    assert all(url.startswith(server.url) for url in requested_urls(driver))
+
+
+@needs_browser
+def test_the_page_asks_for_the_api_key(llama_dir, driver):
+    from selenium.webdriver.common.by import By
+
+    with running_server(llama_dir, app_kwargs={"api_key": "sesame"}) as (server, _):
+        driver.get(server.url + "/")
+        driver.execute_script("localStorage.clear()")
+        driver.get(server.url + "/")
+        dialog = driver.find_element(By.ID, "key-dialog")
+        wait_for(lambda: dialog.is_displayed())
+        driver.find_element(By.ID, "key-input").send_keys("sesame")
+        driver.find_element(By.ID, "key-save").click()
+        wait_for(lambda: driver.find_element(By.ID, "model-name").text == "m")
+        driver.find_element(By.ID, "tab-dashboard").click()
+        wait_for(lambda: int(driver.find_element(By.ID, "step-count").text) >= 0
+                 and "policy" in driver.find_element(By.ID, "model-name").text)
+
+
+def test_state_endpoint_and_switch(server, llama_dir):
+    before = httpx.get(server.url + "/dashboard/state").json()
+    for _ in range(3):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                                          "ignore_eos": True})
+    state = httpx.get(server.url + "/dashboard/state",
+                      params={"since": before["steps"][-1]["step"] if before["steps"] else -1}
+                      ).json()
+    assert state["steps"] and all(s["step"] > (before["steps"] or [{"step": -1}])[-1]["step"]
+                                  for s in state["steps"])
+    assert [s["step"] for s in state["steps"]] == sorted({s["step"] for s in state["steps"]})
+    assert sum(s["decode"] for s in state["steps"]) >= 3 * 3
+    assert state["config"]["max_num_batched_tokens"] == 64
+    assert state["latency"]["finished"] >= 3 and state["latency"]["ttft_ms"]["p50"] > 0
+    assert state["queues"] == {"running": 0, "waiting": 0, "preempted": 0,
+                               "preemptions_total": 0}
+    assert httpx.get(server.url + "/static/app.js").status_code == 200
+    with running_server(llama_dir, app_kwargs={"web_ui": False}) as (plain, _):
+        assert httpx.get(plain.url + "/").status_code == 404
+        assert httpx.get(plain.url + "/dashboard/state").status_code == 404
+    with running_server(llama_dir, app_kwargs={"api_key": "k"}) as (keyed, _):
+        assert httpx.get(keyed.url + "/").status_code == 200  # the page itself is open
+        assert httpx.get(keyed.url + "/dashboard/state").status_code == 401
+        assert httpx.post(keyed.url + "/dashboard/load").status_code == 401
