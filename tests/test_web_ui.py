@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import time
 
 import httpx
@@ -82,6 +83,14 @@ def test_chat_streams_a_reply_with_its_timings(server, driver):
     driver.find_element(By.ID, "max-tokens").clear()
     driver.find_element(By.ID, "max-tokens").send_keys("24")
     driver.find_element(By.ID, "chat-input").send_keys("hello there")
+    # note the reply's length at each change of the page: a streamed reply shows partly first
+    driver.execute_script("""
+        window.lengths = [];
+        new MutationObserver(() => {
+            const replies = document.querySelectorAll('.message.assistant .content');
+            if (replies.length) window.lengths.push(replies[replies.length - 1].textContent.length);
+        }).observe(document.getElementById('messages'),
+                   {childList: true, subtree: true, characterData: true});""")
     driver.find_element(By.ID, "send").click()
     stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".message.assistant .reply-stats"))
     text = stats[-1].text
@@ -89,6 +98,9 @@ def test_chat_streams_a_reply_with_its_timings(server, driver):
     assert match and 1 < int(match.group(1)) <= 24, text  # max_tokens 24 (EOS may end it)
     replies = driver.find_elements(By.CSS_SELECTOR, ".message.assistant .content")
     assert replies[-1].text.strip()
+    final = len(replies[-1].get_attribute("textContent"))
+    partial = {n for n in driver.execute_script("return window.lengths") if 0 < n < final}
+    assert partial, "the reply appeared all at once, not streamed"
     assert driver.find_elements(By.CSS_SELECTOR, ".message.user .content")[-1].text == \
         "hello there"
     driver.find_element(By.ID, "show-prompt").click()
@@ -115,19 +127,35 @@ def test_dashboard_shows_the_scheduler_at_work(server, async_llm, driver):
     assert "load started" in wait_for(lambda: driver.find_element(By.ID, "load-status").text
                                       if "load started" in driver.find_element(
                                           By.ID, "load-status").text else None)
+    # The tiny model serves the built-in load in a blink; requests that decode for a few
+    # seconds keep the queues busy across several of the page's 1 s polls.
+    def long_requests():
+        with httpx.Client(timeout=60) as client:
+            threads = [threading.Thread(target=client.post, args=(
+                server.url + "/v1/completions",), kwargs={"json": {
+                    "prompt": "x", "max_tokens": 480, "ignore_eos": True, "min_tokens": 480}})
+                for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    background = threading.Thread(target=long_requests)
+    background.start()
     seen_running, seen_rows = 0, 0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         seen_running = max(seen_running, int(driver.find_element(By.ID, "q-running").text))
         rows = driver.find_elements(By.CSS_SELECTOR, "#requests-table tbody tr")
         seen_rows = max(seen_rows, len(rows))
-        if seen_running and seen_rows and async_llm.is_idle:
+        if seen_running and seen_rows and not background.is_alive():
             break
         time.sleep(0.1)
+    background.join()
     assert seen_running >= 1 and seen_rows >= 1
     wait_for(lambda: int(driver.find_element(By.ID, "step-count").text) > steps_before + 5)
     chart = driver.find_element(By.ID, "chart-steps")
     assert int(chart.get_attribute("data-points")) > 5
+    assert int(driver.find_element(By.ID, "chart-cache").get_attribute("data-points")) > 1
     wait_for(lambda: driver.find_element(By.ID, "ttft").text != "-", timeout=10)
     assert all(url.startswith(server.url) for url in requested_urls(driver))
 

@@ -236,7 +236,8 @@ function update(state) {
     stepsSeen += 1;
   }
   steps = steps.slice(-HISTORY);
-  polls.push({ running: state.queues.running, waiting: state.queues.waiting });
+  polls.push({ running: state.queues.running, waiting: state.queues.waiting,
+               kv: 100 * state.kv.usage, hits: 100 * (state.kv.prefix_cache_hit_rate || 0) });
   polls = polls.slice(-HISTORY);
   const config = state.config;
   $("model-name").textContent = `${config.model} · ${config.policy} policy · budget ${config.max_num_batched_tokens} tokens`;
@@ -257,6 +258,7 @@ function update(state) {
   drawSteps(config.max_num_batched_tokens);
   drawLines($("chart-queues"), [[polls.map((p) => p.running), "#2f9e44"], [polls.map((p) => p.waiting), "#d6336c"]]);
   drawLines($("chart-time"), [[steps.map((s) => s.wall_ms), "#1d2430"], [steps.map((s) => s.predicted_ms), "#9b59b6"]]);
+  drawLines($("chart-cache"), [[polls.map((p) => p.kv), "#0c8599"], [polls.map((p) => p.hits), "#f08c00"]]);
   const body = $("requests-table").querySelector("tbody");
   body.innerHTML = "";
   for (const r of state.requests) {
