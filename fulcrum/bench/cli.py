@@ -1,6 +1,6 @@
-"""`fulcrum bench serve | throughput | sweep | report | goodput | stress | structured`:
-argument wiring only; the work is in the sibling modules. Without a model folder, throughput
-and sweep use a real model's shape with dummy weights (see shapes.py)."""
+"""`fulcrum bench serve | throughput | sweep | report | goodput | stress | structured |
+latency`: argument wiring only; the work is in the sibling modules. Without a model folder,
+throughput and sweep use a real model's shape with dummy weights (see shapes.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def register(subparsers) -> None:
     _register_goodput(commands)
     _register_stress(commands)
     _register_structured(commands)
+    _register_latency(commands)
 
 
 def _register_serve(commands) -> None:
@@ -130,6 +131,18 @@ def _register_goodput(commands) -> None:
                     "goodput.png.")
     add_goodput_args(parser)
     parser.set_defaults(func=run_goodput)
+
+
+def _register_latency(commands) -> None:
+    from fulcrum.bench.latency import add_args, run_latency
+
+    parser = commands.add_parser(
+        "latency", help="time per output token at batch 1, 4, 16, 64 against the roofline",
+        description="Decode batches of several sizes in-process and compare each step's time "
+                    "with this machine's measured memory bandwidth and bf16 peak. Writes "
+                    "latency.json, latency.md and latency.png.")
+    add_args(parser)
+    parser.set_defaults(func=run_latency)
 
 
 def _register_structured(commands) -> None:

@@ -1,0 +1,211 @@
+"""`fulcrum bench latency`: time per output token at batch sizes 1, 4, 16, 64, against what
+this machine can do at best.
+
+For each batch size, that many requests (random prompts of `--input-len` tokens) decode
+`--output-len` tokens together, in-process; the figure is the median wall time of the steps
+where the whole batch decodes: each request's time per output token at that batch size.
+
+The machine's limits are measured here too, on the same cores, before and after the runs (the
+best kept): the memory bandwidth (summing a 512 MiB float32 array) and the matrix-multiply
+peak in the model's dtype (its own gate/up projection on 512 rows). A decode step must read every weight once
+(plus the KV cache of every request) and do 2 FLOPs per weight per request (plus attention),
+so its least possible time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report
+gives each batch size's share of that bound: 100% would be a step that only streams weights
+and multiplies, with nothing else in the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
+from fulcrum.config import EngineConfig
+from fulcrum.engine import LLMEngine
+from fulcrum.sampling_params import SamplingParams
+
+BATCH_SIZES = (1, 4, 16, 64)
+BANDWIDTH_BYTES = 512 << 20
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-iters", type=int, default=3,
+                        help="runs per batch size (vLLM's flag); steps of all runs pooled")
+    parser.add_argument("--output-dir", default="benchmarks/results/latency")
+
+
+# ----------------------------------------------------------------- machine limits
+def measure_bandwidth(repeats: int = 8) -> float:
+    """Bytes per second read by a reduction over 512 MiB (best of `repeats`)."""
+    data = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best
+
+
+def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Multiply-add throughput (FLOP/s) of the model's own MLP projection (gate and up,
+    its largest matrix but the LM head, whose huge output is memory work) on 512 rows: the best
+    a step's matrix work can do. Best of `repeats`."""
+    layer = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
+    rows = torch.randn(512, layer.in_features, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        layer(rows)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            layer(rows)
+            best = min(best, time.perf_counter() - start)
+    return 2.0 * 512 * layer.in_features * layer.out_features / best
+
+
+# ----------------------------------------------------------------- a step's work
+def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
+    """Bytes a decode step must read and FLOPs it must do, `batch` requests at `context`."""
+    model, spec = engine.runner.model, engine.runner.model.spec
+    weight_params = sum(m.in_features * m.out_features for m in model.modules()
+                        if hasattr(m, "out_features"))
+    weight_bytes = weight_params * torch.finfo(engine.dtype).bits // 8
+    kv_bytes = (batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+                * torch.finfo(engine.kv_cache_dtype).bits // 8)
+    flops = 2.0 * weight_params * batch + 4.0 * batch * context * spec.num_layers \
+        * spec.num_heads * spec.head_dim
+    return {"bytes": float(weight_bytes + kv_bytes), "flops": flops,
+            "weight_bytes": float(weight_bytes)}
+
+
+def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
+                 runs: int, rng: np.random.Generator) -> List[float]:
+    """Wall times (s) of the full-batch decode steps of `runs` runs."""
+    times: List[float] = []
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for run in range(runs):
+        first = len(engine.stats)
+        for i in range(batch):
+            engine.add_request(f"latency-{batch}-{run}-{i}", {"prompt_token_ids": rng.integers(
+                0, engine.vocab_size, input_len).tolist()}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times += [s.wall_seconds for s in list(engine.stats)[first:]
+                  if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
+    return times
+
+
+def measure(engine: LLMEngine, batch_sizes: Sequence[int], input_len: int, output_len: int,
+            runs: int) -> Dict[str, Any]:
+    rng = np.random.default_rng(0)
+    decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
+    # The machine's limits before and after the runs, the better of each kept: a noisy
+    # neighbour in one measurement must not lower the bound the runs are judged against.
+    bandwidth = measure_bandwidth()
+    peak = measure_peak_flops(engine.runner.model, engine.dtype)
+    timed = {}
+    for batch in batch_sizes:
+        timed[batch] = decode_steps(engine, batch, input_len, output_len, runs, rng)
+    bandwidth = max(bandwidth, measure_bandwidth())
+    peak = max(peak, measure_peak_flops(engine.runner.model, engine.dtype))
+    rows = []
+    context = input_len + output_len // 2  # the mean context of the timed steps
+    for batch, times in timed.items():
+        step = statistics.median(times)
+        work = step_work(engine, batch, context)
+        bound = max(work["bytes"] / bandwidth, work["flops"] / peak)
+        rows.append({"batch": batch, "steps": len(times), "ms_per_token": 1e3 * step,
+                     "tokens_per_s": batch / step, "roofline_ms": 1e3 * bound,
+                     "roofline_tokens_per_s": batch / bound, "share_of_roofline": bound / step,
+                     "bound": "memory" if work["bytes"] / bandwidth >= work["flops"] / peak
+                     else "compute",
+                     "achieved_gb_per_s": work["bytes"] / step / 1e9,
+                     "achieved_gflops": work["flops"] / step / 1e9})
+    return {"machine_limits": {"bandwidth_gb_per_s": bandwidth / 1e9,
+                               "matrix_peak_gflops": peak / 1e9},
+            "weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6, "rows": rows}
+
+
+# ----------------------------------------------------------------- report
+def table(data: Dict[str, Any]) -> List[str]:
+    lines = ["| batch | ms per output token | tokens/s | roofline (ms) | share of roofline | "
+             "bound by | GB/s | GFLOP/s |", "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['batch']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['roofline_ms']:.1f} | {100 * r['share_of_roofline']:.0f}% | "
+                     f"{r['bound']} | {r['achieved_gb_per_s']:.1f} | "
+                     f"{r['achieved_gflops']:.0f} |")
+    return lines
+
+
+def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
+    """The section docs/performance.md shows of these results (links relative to page_dir)."""
+    setup, limits = data["setup"], data["machine_limits"]
+    relative = lambda p: os.path.relpath(p, page_dir)  # noqa: E731
+    return ["", "## Latency against the roofline", "",
+            f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
+            f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
+            "the steps where the whole batch decodes, in-process). The roofline is this "
+            "machine's own limit, measured in the same run: memory bandwidth "
+            f"{limits['bandwidth_gb_per_s']:.1f} GB/s (a reduction over 512 MiB) and matrix peak "
+            f"{limits['matrix_peak_gflops']:.0f} GFLOP/s (the model's own MLP projection on 512 "
+            "rows); a "
+            f"decode step must read {data['weights_mb']:.0f} MB of weights plus the KV cache. "
+            f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
+            "regenerates it.", "", *table(data), "",
+            f"![latency]({relative(json_path.with_suffix('.png'))})"]
+
+
+def plot(data: Dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    rows = data["rows"]
+    batches = [r["batch"] for r in rows]
+    figure = Figure(figsize=(7, 4.2), layout="constrained")
+    axis = figure.subplots()
+    axis.plot(batches, [r["tokens_per_s"] for r in rows], "o-", label="fulcrum")
+    axis.plot(batches, [r["roofline_tokens_per_s"] for r in rows], "k--", label="roofline")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("batch size (requests decoding together)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_title("Decode throughput against this machine's roofline")
+    axis.legend()
+    figure.savefig(path, dpi=110)
+
+
+def run_latency(args: argparse.Namespace) -> None:
+    from fulcrum.bench.report import machine_facts
+
+    engine = LLMEngine(EngineConfig(
+        model=shape_dir(args.shape), load_format="dummy", dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 8,
+        max_num_seqs=max(256, max(args.batch_sizes)), scheduling_policy="fcfs"))
+    data = measure(engine, args.batch_sizes, args.input_len, args.output_len, args.num_iters)
+    sizes = " ".join(map(str, args.batch_sizes))
+    data["setup"] = {"shape": args.shape, "dtype": args.dtype, "input_len": args.input_len,
+                     "output_len": args.output_len, "num_iters": args.num_iters,
+                     "machine": machine_facts(),
+                     "command": f"fulcrum bench latency --shape {args.shape} --batch-sizes "
+                                f"{sizes} --input-len {args.input_len} --output-len "
+                                f"{args.output_len} --num-iters {args.num_iters}"}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "latency.json"
+    json_path.write_text(json.dumps(data, indent=2) + "\n")
+    plot(data, json_path.with_suffix(".png"))
+    (out / "latency.md").write_text("\n".join(
+        ["# Latency against the roofline", *summary(data, json_path, out)[3:]]) + "\n")
+    print("\n".join(table(data)))

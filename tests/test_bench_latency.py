@@ -1,0 +1,47 @@
+"""`fulcrum bench latency` on the tiny model: the steps it times are full-batch decode steps,
+a step's work counts every weight once per step and 2 FLOPs per weight per request, and the
+docs section reads its numbers. No timing assertions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fulcrum.bench.latency import measure, step_work, summary
+from fulcrum.config import EngineConfig
+from fulcrum.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return LLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64,
+                                  scheduling_policy="fcfs"))
+
+
+def test_step_work_counts_weights_and_cache(engine):
+    spec = engine.runner.model.spec
+    h, f = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    params = spec.num_layers * (h * (q + 2 * kv) + q * h + h * 2 * f + f * h) + h * spec.vocab_size
+    work = step_work(engine, batch=3, context=10)
+    assert work["weight_bytes"] == params * 4  # float32
+    kv_bytes = 3 * 10 * spec.num_layers * 2 * kv * 4
+    assert work["bytes"] == params * 4 + kv_bytes
+    assert work["flops"] == 2 * params * 3 + 4 * 3 * 10 * spec.num_layers * q
+
+
+def test_measure_times_full_batch_decode_steps(engine):
+    data = measure(engine, [1, 3], input_len=5, output_len=6, runs=2)
+    assert [r["batch"] for r in data["rows"]] == [1, 3]
+    for row in data["rows"]:
+        assert row["steps"] == 2 * 5  # 6 tokens: one from the prefill step, 5 decode steps
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_token"] * 1e3)
+        assert 0 < row["share_of_roofline"] and row["bound"] in ("memory", "compute")
+    assert data["machine_limits"]["bandwidth_gb_per_s"] > 0
+    data["setup"] = {"shape": "tiny", "dtype": "float32", "input_len": 5, "output_len": 6,
+                     "machine": {"date": "today"}, "command": "fulcrum bench latency"}
+    lines = summary(data, Path("/r/latency.json"), Path("/docs"))
+    assert lines[1] == "## Latency against the roofline"
+    assert lines[-1] == "![latency](../r/latency.png)"
+    assert sum(line.startswith("| 1 |") or line.startswith("| 3 |") for line in lines) == 2
