@@ -75,6 +75,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
     enforce_eager: bool = False
+    # vLLM's --quantization: None (the model's dtype) or "int8" (weight-only, a scale per
+    # output channel computed at load; the LM head stays in the model's dtype).
+    quantization: Optional[str] = None
     # vLLM: run code shipped in the model folder. fulcrum never does (only False).
     trust_remote_code: bool = False
     # vLLM: which tokenizer implementation; fulcrum has one, tokenizer.json (only "auto").
@@ -116,6 +119,9 @@ class EngineConfig:
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet: fulcrum "
                                  "runs one process on one device (only 1 is accepted)")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported: fulcrum "
+                             "has weight-only 'int8' (or None)")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code=True is refused: fulcrum runs no code from "
                              "model folders (its architectures are built in; see the README)")

@@ -78,7 +78,7 @@ class LLMEngine:
                                spec.num_heads // spec.num_kv_heads, spec.head_dim,
                                self.config.block_size)
         model = load_model(model_dir, hf_config, self.dtype, self.device, backend, load_format,
-                           config.seed)
+                           config.seed, config.quantization)
         self.vocab_size = model.spec.vocab_size
         num_blocks = num_kv_blocks(self.config, model.spec, self.kv_cache_dtype, self.device)
         caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -92,7 +92,7 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
 
 def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
                device: torch.device, backend: AttentionBackend, load_format: str,
-               seed: int) -> DecoderForCausalLM:
+               seed: int, quantization: Optional[str] = None) -> DecoderForCausalLM:
     cls = model_class(hf_config)
     spec = cls.spec_from_config(hf_config)
     previous = torch.get_default_dtype()
@@ -109,7 +109,7 @@ def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
             model.load_weights(iter_weights(model_dir, load_format))
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
-    model.pack_weights()
+    model.pack_weights(quantization)
     logger.info("loaded %s (%.1fM parameters, %s) on %s", cls.__name__, n_params / 1e6,
                 str(dtype).replace("torch.", ""), device)
     return model

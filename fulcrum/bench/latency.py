@@ -39,6 +39,9 @@ BANDWIDTH_BYTES = 512 << 20
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=DEFAULT_SHAPE, choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="weight-only int8 (vLLM's flag); the report then sits beside the "
+                             "bf16 one as latency_int8.*")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -79,9 +82,12 @@ def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> floa
 def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
     """Bytes a decode step must read and FLOPs it must do, `batch` requests at `context`."""
     model, spec = engine.runner.model, engine.runner.model.spec
-    weight_params = sum(m.in_features * m.out_features for m in model.modules()
-                        if hasattr(m, "out_features"))
-    weight_bytes = weight_params * torch.finfo(engine.dtype).bits // 8
+    linears = [m for m in model.modules() if hasattr(m, "out_features")]
+    weight_params = sum(m.in_features * m.out_features for m in linears)
+    # int8 layers hold a byte a weight (their scales are negligible), the rest the dtype's
+    weight_bytes = sum(m.in_features * m.out_features * (
+        1 if getattr(m, "scale", None) is not None else torch.finfo(engine.dtype).bits // 8)
+        for m in linears)
     kv_bytes = (batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
                 * torch.finfo(engine.kv_cache_dtype).bits // 8)
     flops = 2.0 * weight_params * batch + 4.0 * batch * context * spec.num_layers \
@@ -154,8 +160,12 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     """The section docs/performance.md shows of these results (links relative to page_dir)."""
     setup, limits = data["setup"], data["machine_limits"]
     relative = lambda p: os.path.relpath(p, page_dir)  # noqa: E731
-    return ["", "## Latency against the roofline", "",
+    int8 = setup.get("quantization") == "int8"
+    title = "## Latency against the roofline" + (", int8 weights" if int8 else "")
+    weights = ("int8 weights (`--quantization int8`; the LM head bf16), " if int8 else "")
+    return ["", title, "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
+            f"{weights}"
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
             "machine's own limit, measured in the same run: memory bandwidth "
@@ -192,20 +202,25 @@ def run_latency(args: argparse.Namespace) -> None:
     engine = LLMEngine(EngineConfig(
         model=shape_dir(args.shape), load_format="dummy", dtype=args.dtype,
         max_model_len=args.input_len + args.output_len + 8,
-        max_num_seqs=max(256, max(args.batch_sizes)), scheduling_policy="fcfs"))
+        max_num_seqs=max(256, max(args.batch_sizes)), scheduling_policy="fcfs",
+        quantization=args.quantization))
     data = measure(engine, args.batch_sizes, args.input_len, args.output_len, args.num_iters)
     sizes = " ".join(map(str, args.batch_sizes))
-    data["setup"] = {"shape": args.shape, "dtype": args.dtype, "input_len": args.input_len,
+    data["setup"] = {"shape": args.shape, "dtype": args.dtype,
+                     "quantization": args.quantization, "input_len": args.input_len,
                      "output_len": args.output_len, "num_iters": args.num_iters,
                      "machine": machine_facts(),
                      "command": f"fulcrum bench latency --shape {args.shape} --batch-sizes "
                                 f"{sizes} --input-len {args.input_len} --output-len "
-                                f"{args.output_len} --num-iters {args.num_iters}"}
+                                f"{args.output_len} --num-iters {args.num_iters}"
+                                + (f" --quantization {args.quantization}"
+                                   if args.quantization else "")}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "latency.json"
+    json_path = out / ("latency_int8.json" if args.quantization else "latency.json")
     json_path.write_text(json.dumps(data, indent=2) + "\n")
     plot(data, json_path.with_suffix(".png"))
-    (out / "latency.md").write_text("\n".join(
-        ["# Latency against the roofline", *summary(data, json_path, out)[3:]]) + "\n")
+    json_path.with_suffix(".md").write_text("\n".join(
+        [summary(data, json_path, out)[1].replace("##", "#"), *summary(data, json_path, out)[3:]])
+        + "\n")
     print("\n".join(table(data)))

@@ -201,6 +201,8 @@ def _linear_library() -> Optional[ctypes.CDLL]:
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     _declare(library, "fulcrum_linear_bf16",
              [pointer, i64, pointer, pointer, pointer, i64] + [i32] * 5)
+    _declare(library, "fulcrum_linear_int8",
+             [pointer, i64, pointer, pointer, pointer, pointer, i64] + [i32] * 5)
     return library
 
 
@@ -211,29 +213,47 @@ def supports_linear(weight: torch.Tensor) -> bool:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> the kernel's panels: [panels, in / 2, panel width, 2], zero-padded."""
+    """[out, in] -> the kernel's panels: [panels, in / 2, panel width, 2], zero-padded (bf16
+    weights, or int8 ones for `linear_int8`)."""
     panel = _linear_library().fulcrum_linear_bf16_panel()
     out_features, in_features = weight.shape
     padded = -(-out_features // panel) * panel
-    full = torch.zeros(padded, in_features, dtype=torch.bfloat16)
+    full = torch.zeros(padded, in_features, dtype=weight.dtype)
     full[:out_features] = weight
     return full.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple:
+    """Weight-only int8 with one scale per output channel: (q [out, in] int8, scale [out]
+    fp32) with weight ~= scale[:, None] * q, |q| <= 127 (symmetric, rounded to nearest)."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                out_features: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [..., in] (bf16) @ W^T + bias, with W packed by `pack_linear_weight`; bias fp32."""
+                out_features: int, out_dtype: torch.dtype = torch.bfloat16,
+                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] (bf16) @ W^T + bias, with W packed by `pack_linear_weight`; bias fp32.
+    With int8 panels, `scale` ([out] fp32, one per output channel) makes W = scale * q."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
         rows = rows.to(torch.bfloat16).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=out_dtype)
-    status = _linear_library().fulcrum_linear_bf16(
-        rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        rows.shape[0], out_features, rows.shape[1], int(out_dtype == torch.float32),
-        torch.get_num_threads())
+    library = _linear_library()
+    common = (out.data_ptr(), out.stride(0), rows.shape[0], out_features, rows.shape[1],
+              int(out_dtype == torch.float32), torch.get_num_threads())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if packed.dtype == torch.int8:
+        status = library.fulcrum_linear_int8(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                             scale.data_ptr(), bias_ptr, *common)
+    else:
+        status = library.fulcrum_linear_bf16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                             bias_ptr, *common)
     if status:
-        raise RuntimeError(f"linear_bf16 kernel failed on shape {tuple(rows.shape)}")
+        raise RuntimeError(f"linear kernel failed on shape {tuple(rows.shape)}")
     return out.view(*x.shape[:-1], out_features)
 
 

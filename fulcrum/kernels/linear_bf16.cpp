@@ -11,6 +11,12 @@
 // A tile of up to kRows input rows x one panel stays in 24 zmm accumulators for the whole
 // K loop; each input pair is broadcast once per row. Threads split the panels, so a small
 // batch still uses every core and reads each weight exactly once per call.
+//
+// Weight-only int8 (`--quantization int8`): the same panels hold int8 weights, half the
+// bytes to stream (decode steps are bound by reading the weights), with one fp32 scale per
+// output column. Each loaded panel row is widened to bf16 in registers (integers of 8 bits
+// are exact in bf16), so the products are those of the bf16 kernel with W = scale * q; the
+// accumulators are scaled once at the end.
 #include <cstdint>
 #include <cstring>
 
@@ -26,18 +32,31 @@ constexpr int kRows = 8;                 // input rows per register tile
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m256i as_i(__m256bh v) { return reinterpret_cast<__m256i&>(v); }
 
-template <int M>
-void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs, const float* bias,
-          void* out, int64_t ldo, int columns, bool out_f32) {
+// One panel row (kPanel columns x 2 k) as bf16 pairs: loaded as is, or widened from int8.
+inline void load_row(const uint16_t* w, __m512bh* b) {
+  for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
+}
+
+inline void load_row(const int8_t* w, __m512bh* b) {
+  for (int v = 0; v < kVectors; ++v) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * 32));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * 32 + 16));
+    b[v] = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+  }
+}
+
+template <int M, typename W>
+void tile(const uint16_t* x, int64_t ldx, const W* panel, int pairs, const float* scale,
+          const float* bias, void* out, int64_t ldo, int columns, bool out_f32) {
   __m512 acc[M][kVectors];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int kp = 0; kp < pairs; ++kp) {
-    const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
     __m512bh b[kVectors];
-    for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
+    load_row(panel + static_cast<int64_t>(kp) * kPanel * 2, b);
     for (int m = 0; m < M; ++m) {
       const __m512bh a = as_bh(_mm512_set1_epi32(rows[m][kp]));
       for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
@@ -49,8 +68,9 @@ void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs, cons
     const int n = columns - first < 16 ? columns - first : 16;
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    const __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + first) : _mm512_set1_ps(1.0f);
     for (int m = 0; m < M; ++m) {
-      const __m512 y = _mm512_add_ps(acc[m][v], b);
+      const __m512 y = _mm512_fmadd_ps(acc[m][v], s, b);
       if (out_f32) {
         _mm512_mask_storeu_ps(static_cast<float*>(out) + m * ldo + first, mask, y);
       } else {
@@ -61,23 +81,18 @@ void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs, cons
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int, const float*, void*,
-                        int64_t, int, bool);
-constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                      tile<5>, tile<6>, tile<7>, tile<8>};
+template <typename W>
+using TileFn = void (*)(const uint16_t*, int64_t, const W*, int, const float*, const float*,
+                        void*, int64_t, int, bool);
+template <typename W>
+constexpr TileFn<W> kTiles[kRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>,
+                                         tile<4, W>, tile<5, W>, tile<6, W>, tile<7, W>,
+                                         tile<8, W>};
 
-}  // namespace
-
-extern "C" {
-
-int fulcrum_linear_bf16_supported() { return 1; }
-int fulcrum_linear_bf16_panel() { return kPanel; }
-
-// x: [M, K] bf16 rows with stride ldx; packed: the panels; bias: [N] fp32 or null;
-// out: [M, N] (bf16, or fp32 when out_f32) rows with stride ldo. K must be even.
-int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
-                        const float* bias, void* out, int64_t ldo, int M, int N, int K,
-                        int out_f32, int num_threads) {
+template <typename W>
+int linear(const uint16_t* x, int64_t ldx, const W* packed, const float* scale,
+           const float* bias, void* out, int64_t ldo, int M, int N, int K, int out_f32,
+           int num_threads) {
   if (K % 2) return 1;
   const int pairs = K / 2;
   const int panels = (N + kPanel - 1) / kPanel;
@@ -92,13 +107,35 @@ int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
       const int rows = M - m0 < kRows ? M - m0 : kRows;
       const int n0 = p * kPanel;
       const int columns = N - n0 < kPanel ? N - n0 : kPanel;
-      kTiles[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
-                   bias ? bias + n0 : nullptr,
-                   static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo, columns,
-                   out_f32 != 0);
+      kTiles<W>[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
+                      scale ? scale + n0 : nullptr, bias ? bias + n0 : nullptr,
+                      static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo, columns,
+                      out_f32 != 0);
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int fulcrum_linear_bf16_supported() { return 1; }
+int fulcrum_linear_bf16_panel() { return kPanel; }
+
+// x: [M, K] bf16 rows with stride ldx; packed: the panels; bias: [N] fp32 or null;
+// out: [M, N] (bf16, or fp32 when out_f32) rows with stride ldo. K must be even.
+int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
+                        const float* bias, void* out, int64_t ldo, int M, int N, int K,
+                        int out_f32, int num_threads) {
+  return linear(x, ldx, packed, nullptr, bias, out, ldo, M, N, K, out_f32, num_threads);
+}
+
+// The same with int8 panels and a fp32 scale per output column ([N], padded to the panels).
+int fulcrum_linear_int8(const uint16_t* x, int64_t ldx, const int8_t* packed,
+                        const float* scale, const float* bias, void* out, int64_t ldo, int M,
+                        int N, int K, int out_f32, int num_threads) {
+  return linear(x, ldx, packed, scale, bias, out, ldo, M, N, K, out_f32, num_threads);
 }
 
 }  // extern "C"
@@ -110,6 +147,10 @@ int fulcrum_linear_bf16_supported() { return 0; }
 int fulcrum_linear_bf16_panel() { return 0; }
 int fulcrum_linear_bf16(const uint16_t*, int64_t, const uint16_t*, const float*, void*, int64_t,
                         int, int, int, int, int) {
+  return 1;
+}
+int fulcrum_linear_int8(const uint16_t*, int64_t, const int8_t*, const float*, const float*,
+                        void*, int64_t, int, int, int, int, int) {
   return 1;
 }
 }  // extern "C"

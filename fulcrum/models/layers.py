@@ -145,7 +145,10 @@ class Linear(nn.Linear):
     kernel (fulcrum/kernels/linear_bf16.cpp): 2-4x torch's matmul at decode batch sizes.
 
     `pack()` replaces the weight by the kernel's layout, so it is held once, not twice (a
-    tied LM head's packed copy sits beside the embedding table, which lookups still need)."""
+    tied LM head's packed copy sits beside the embedding table, which lookups still need).
+    `pack("int8")` quantizes it first (weight-only int8, a scale per output channel): the
+    kernel widens the int8 panels in registers; without the kernel, the int8 weight is
+    dequantized per call in fp32 (the portable path: slow, same numbers)."""
 
     packed: Optional[torch.Tensor]
 
@@ -153,19 +156,32 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed", None, persistent=False)
         self.packed_bias: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None  # int8: per output channel, fp32
+        self.qweight: Optional[torch.Tensor] = None  # int8 without the kernel
 
-    def pack(self) -> None:
-        if not kernels.supports_linear(self.weight):
+    def pack(self, quantization: Optional[str] = None) -> None:
+        fast = kernels.supports_linear(self.weight)  # bf16 activations and weights here
+        weight = self.weight.data
+        if quantization == "int8":
+            weight, self.scale = kernels.quantize_int8(weight)
+        if fast:
+            self.packed = kernels.pack_linear_weight(weight)
+        elif quantization == "int8":
+            self.qweight = weight
+        else:
             return
-        self.packed = kernels.pack_linear_weight(self.weight.data)
         self.packed_bias = None if self.bias is None else self.bias.data.float()
         self.weight = None  # a tied LM head's embedding keeps its own reference
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         if self.packed is not None:
             return kernels.linear_bf16(x, self.packed, self.packed_bias, self.out_features,
-                                       out_dtype or x.dtype)
-        y = F.linear(x, self.weight, self.bias)
+                                       out_dtype or x.dtype, self.scale)
+        if self.qweight is not None:
+            y = F.linear(x.float(), self.qweight.float() * self.scale[:, None],
+                         self.packed_bias).to(x.dtype)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -293,11 +309,13 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden, torch.float32)
 
-    def pack_weights(self) -> None:
-        """Give every linear layer the fastest weight layout for this device and dtype."""
+    def pack_weights(self, quantization: Optional[str] = None) -> None:
+        """Give every linear layer the fastest weight layout for this device and dtype;
+        `quantization="int8"` quantizes all but the LM head (kept in the model's dtype, as
+        vLLM's weight-only schemes keep it: its errors would reach every token's logits)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(quantization if module is not self.lm_head else None)
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
