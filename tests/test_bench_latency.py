@@ -31,10 +31,18 @@ def test_step_work_counts_weights_and_cache(engine):
     assert work["flops"] == 2 * params * 3 + 4 * 3 * 10 * spec.num_layers * q
 
 
-def test_measure_times_full_batch_decode_steps(engine):
-    data = measure(engine, [1, 3], input_len=5, output_len=6, runs=2)
-    assert [r["batch"] for r in data["rows"]] == [1, 3]
-    for row in data["rows"]:
+def test_measure_times_full_batch_decode_steps(engine, llama_dir):
+    int8 = LLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64,
+                                  scheduling_policy="fcfs", quantization="int8"))
+    data = measure({"float32": engine, "int8": int8}, [1, 3], input_len=5, output_len=6,
+                   runs=2)
+    assert list(data["engines"]) == ["float32", "int8"]
+    full, quantized = data["engines"]["float32"], data["engines"]["int8"]
+    lm_head_mb = engine.runner.model.spec.hidden_size * engine.vocab_size * 4 / 1e6
+    assert quantized["weights_mb"] == pytest.approx(lm_head_mb + (full["weights_mb"] - lm_head_mb) / 4)
+    rows = full["rows"] + quantized["rows"]
+    assert [r["batch"] for r in rows] == [1, 3, 1, 3]
+    for row in rows:
         assert row["steps"] == 2 * 5  # 6 tokens: one from the prefill step, 5 decode steps
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_token"] * 1e3)
         assert 0 < row["share_of_roofline"] and row["bound"] in ("memory", "compute")
@@ -44,4 +52,5 @@ def test_measure_times_full_batch_decode_steps(engine):
     lines = summary(data, Path("/r/latency.json"), Path("/docs"))
     assert lines[1] == "## Latency against the roofline"
     assert lines[-1] == "![latency](../r/latency.png)"
-    assert sum(line.startswith("| 1 |") or line.startswith("| 3 |") for line in lines) == 2
+    assert sum(line.startswith("| float32 | ") or line.startswith("| int8 | ")
+               for line in lines) == 4

@@ -4,6 +4,8 @@ this machine can do at best.
 For each batch size, that many requests (random prompts of `--input-len` tokens) decode
 `--output-len` tokens together, in-process; the figure is the median wall time of the steps
 where the whole batch decodes: each request's time per output token at that batch size.
+The model runs with its weights as loaded and with weight-only int8 (`--quantizations`),
+side by side: runs alternate between the two engines, so the machine's drifts hit both.
 
 The machine's limits are measured here too, on the same cores, before and after the runs (the
 best kept): the memory bandwidth (summing a 512 MiB float32 array) and the matrix-multiply
@@ -39,9 +41,9 @@ BANDWIDTH_BYTES = 512 << 20
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=DEFAULT_SHAPE, choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", choices=["int8"], default=None,
-                        help="weight-only int8 (vLLM's flag); the report then sits beside the "
-                             "bf16 one as latency_int8.*")
+    parser.add_argument("--quantizations", nargs="+", choices=["none", "int8"],
+                        default=["none", "int8"],
+                        help="the weight formats to run side by side (default both)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -113,46 +115,60 @@ def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
     return times
 
 
-def measure(engine: LLMEngine, batch_sizes: Sequence[int], input_len: int, output_len: int,
-            runs: int) -> Dict[str, Any]:
+def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len: int,
+            output_len: int, runs: int) -> Dict[str, Any]:
+    """Each engine (label -> engine) at each batch size, runs alternating between engines."""
     rng = np.random.default_rng(0)
-    decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
+    first = next(iter(engines.values()))
+    for engine in engines.values():
+        decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
     # The machine's limits before and after the runs, the better of each kept: a noisy
     # neighbour in one measurement must not lower the bound the runs are judged against.
     bandwidth = measure_bandwidth()
-    peak = measure_peak_flops(engine.runner.model, engine.dtype)
-    timed = {}
+    peak = measure_peak_flops(first.runner.model, first.dtype)
+    timed: Dict[str, Dict[int, List[float]]] = {label: {b: [] for b in batch_sizes}
+                                                for label in engines}
     for batch in batch_sizes:
-        timed[batch] = decode_steps(engine, batch, input_len, output_len, runs, rng)
+        for _ in range(runs):
+            for label, engine in engines.items():
+                timed[label][batch] += decode_steps(engine, batch, input_len, output_len, 1,
+                                                    rng)
     bandwidth = max(bandwidth, measure_bandwidth())
-    peak = max(peak, measure_peak_flops(engine.runner.model, engine.dtype))
-    rows = []
+    peak = max(peak, measure_peak_flops(first.runner.model, first.dtype))
     context = input_len + output_len // 2  # the mean context of the timed steps
-    for batch, times in timed.items():
-        step = statistics.median(times)
-        work = step_work(engine, batch, context)
-        bound = max(work["bytes"] / bandwidth, work["flops"] / peak)
-        rows.append({"batch": batch, "steps": len(times), "ms_per_token": 1e3 * step,
-                     "tokens_per_s": batch / step, "roofline_ms": 1e3 * bound,
-                     "roofline_tokens_per_s": batch / bound, "share_of_roofline": bound / step,
-                     "bound": "memory" if work["bytes"] / bandwidth >= work["flops"] / peak
-                     else "compute",
-                     "achieved_gb_per_s": work["bytes"] / step / 1e9,
-                     "achieved_gflops": work["flops"] / step / 1e9})
     return {"machine_limits": {"bandwidth_gb_per_s": bandwidth / 1e9,
                                "matrix_peak_gflops": peak / 1e9},
-            "weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6, "rows": rows}
+            "engines": {label: {"weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6,
+                                "rows": [_row(engine, batch, times, context, bandwidth, peak)
+                                         for batch, times in timed[label].items()]}
+                        for label, engine in engines.items()}}
+
+
+def _row(engine: LLMEngine, batch: int, times: List[float], context: int, bandwidth: float,
+         peak: float) -> Dict[str, Any]:
+    step = statistics.median(times)
+    work = step_work(engine, batch, context)
+    bound = max(work["bytes"] / bandwidth, work["flops"] / peak)
+    return {"batch": batch, "steps": len(times), "ms_per_token": 1e3 * step,
+            "tokens_per_s": batch / step, "roofline_ms": 1e3 * bound,
+            "roofline_tokens_per_s": batch / bound, "share_of_roofline": bound / step,
+            "bound": "memory" if work["bytes"] / bandwidth >= work["flops"] / peak
+            else "compute",
+            "achieved_gb_per_s": work["bytes"] / step / 1e9,
+            "achieved_gflops": work["flops"] / step / 1e9}
 
 
 # ----------------------------------------------------------------- report
 def table(data: Dict[str, Any]) -> List[str]:
-    lines = ["| batch | ms per output token | tokens/s | roofline (ms) | share of roofline | "
-             "bound by | GB/s | GFLOP/s |", "|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for r in data["rows"]:
-        lines.append(f"| {r['batch']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['roofline_ms']:.1f} | {100 * r['share_of_roofline']:.0f}% | "
-                     f"{r['bound']} | {r['achieved_gb_per_s']:.1f} | "
-                     f"{r['achieved_gflops']:.0f} |")
+    lines = ["| weights | batch | ms per output token | tokens/s | roofline (ms) | share of "
+             "roofline | bound by | GB/s | GFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for label, result in data["engines"].items():
+        for r in result["rows"]:
+            lines.append(f"| {label} | {r['batch']} | {r['ms_per_token']:.1f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.1f} | "
+                         f"{100 * r['share_of_roofline']:.0f}% | {r['bound']} | "
+                         f"{r['achieved_gb_per_s']:.1f} | {r['achieved_gflops']:.0f} |")
     return lines
 
 
@@ -160,19 +176,18 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     """The section docs/performance.md shows of these results (links relative to page_dir)."""
     setup, limits = data["setup"], data["machine_limits"]
     relative = lambda p: os.path.relpath(p, page_dir)  # noqa: E731
-    int8 = setup.get("quantization") == "int8"
-    title = "## Latency against the roofline" + (", int8 weights" if int8 else "")
-    weights = ("int8 weights (`--quantization int8`; the LM head bf16), " if int8 else "")
-    return ["", title, "",
+    weights = ", ".join(f"{label} {result['weights_mb']:.0f} MB"
+                        for label, result in data["engines"].items())
+    return ["", "## Latency against the roofline", "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
-            f"{weights}"
+            "with its weights as loaded and with weight-only int8 (`--quantization int8`; the "
+            "LM head stays unquantized), runs alternating between the two; "
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
             "machine's own limit, measured in the same run: memory bandwidth "
             f"{limits['bandwidth_gb_per_s']:.1f} GB/s (a reduction over 512 MiB) and matrix peak "
             f"{limits['matrix_peak_gflops']:.0f} GFLOP/s (the model's own MLP projection on 512 "
-            "rows); a "
-            f"decode step must read {data['weights_mb']:.0f} MB of weights plus the KV cache. "
+            f"rows); a decode step must read its weights ({weights}) plus the KV cache. "
             f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
             f"![latency]({relative(json_path.with_suffix('.png'))})"]
@@ -181,12 +196,15 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
 def plot(data: Dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    rows = data["rows"]
-    batches = [r["batch"] for r in rows]
     figure = Figure(figsize=(7, 4.2), layout="constrained")
     axis = figure.subplots()
-    axis.plot(batches, [r["tokens_per_s"] for r in rows], "o-", label="fulcrum")
-    axis.plot(batches, [r["roofline_tokens_per_s"] for r in rows], "k--", label="roofline")
+    for (label, result), color in zip(data["engines"].items(), ("tab:blue", "tab:orange")):
+        rows = result["rows"]
+        batches = [r["batch"] for r in rows]
+        axis.plot(batches, [r["tokens_per_s"] for r in rows], "o-", color=color,
+                  label=f"fulcrum, {label}")
+        axis.plot(batches, [r["roofline_tokens_per_s"] for r in rows], "--", color=color,
+                  label=f"roofline, {label}")
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("batch size (requests decoding together)")
@@ -199,25 +217,23 @@ def plot(data: Dict[str, Any], path: Path) -> None:
 def run_latency(args: argparse.Namespace) -> None:
     from fulcrum.bench.report import machine_facts
 
-    engine = LLMEngine(EngineConfig(
+    engines = {(args.dtype if q == "none" else q): LLMEngine(EngineConfig(
         model=shape_dir(args.shape), load_format="dummy", dtype=args.dtype,
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(256, max(args.batch_sizes)), scheduling_policy="fcfs",
-        quantization=args.quantization))
-    data = measure(engine, args.batch_sizes, args.input_len, args.output_len, args.num_iters)
+        quantization=None if q == "none" else q)) for q in args.quantizations}
+    data = measure(engines, args.batch_sizes, args.input_len, args.output_len, args.num_iters)
     sizes = " ".join(map(str, args.batch_sizes))
-    data["setup"] = {"shape": args.shape, "dtype": args.dtype,
-                     "quantization": args.quantization, "input_len": args.input_len,
+    data["setup"] = {"shape": args.shape, "dtype": args.dtype, "input_len": args.input_len,
                      "output_len": args.output_len, "num_iters": args.num_iters,
                      "machine": machine_facts(),
                      "command": f"fulcrum bench latency --shape {args.shape} --batch-sizes "
                                 f"{sizes} --input-len {args.input_len} --output-len "
-                                f"{args.output_len} --num-iters {args.num_iters}"
-                                + (f" --quantization {args.quantization}"
-                                   if args.quantization else "")}
+                                f"{args.output_len} --num-iters {args.num_iters} "
+                                f"--quantizations {' '.join(args.quantizations)}"}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / ("latency_int8.json" if args.quantization else "latency.json")
+    json_path = out / "latency.json"
     json_path.write_text(json.dumps(data, indent=2) + "\n")
     plot(data, json_path.with_suffix(".png"))
     json_path.with_suffix(".md").write_text("\n".join(

@@ -47,8 +47,7 @@ SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
 GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
 STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"
                    / "structured_outputs.json")
-LATENCY_JSONS = [REPO / "benchmarks" / "results" / "latency" / name
-                 for name in ("latency.json", "latency_int8.json")]
+LATENCY_JSON = REPO / "benchmarks" / "results" / "latency" / "latency.json"
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -411,12 +410,11 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
 
         lines += structured_summary(json.loads(STRUCTURED_JSON.read_text()), STRUCTURED_JSON,
                                     md_path.resolve().parent)
-    for latency_json in LATENCY_JSONS:
-        if latency_json.exists():
-            from fulcrum.bench.latency import summary as latency_summary
+    if LATENCY_JSON.exists():
+        from fulcrum.bench.latency import summary as latency_summary
 
-            lines += latency_summary(json.loads(latency_json.read_text()), latency_json,
-                                     md_path.resolve().parent)
+        lines += latency_summary(json.loads(LATENCY_JSON.read_text()), LATENCY_JSON,
+                                 md_path.resolve().parent)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
 

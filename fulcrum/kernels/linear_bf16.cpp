@@ -89,6 +89,45 @@ constexpr TileFn<W> kTiles[kRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3
                                          tile<4, W>, tile<5, W>, tile<6, W>, tile<7, W>,
                                          tile<8, W>};
 
+// An int8 panel widened to bf16 once, for the many row tiles of a large batch (each would
+// otherwise widen every weight again).
+void widen_panel(const int8_t* panel, int pairs, uint16_t* out) {
+  for (int kp = 0; kp < pairs; ++kp) {
+    __m512bh b[kVectors];
+    load_row(panel + static_cast<int64_t>(kp) * kPanel * 2, b);
+    for (int v = 0; v < kVectors; ++v)
+      _mm512_storeu_si512(out + static_cast<int64_t>(kp) * kPanel * 2 + v * 32,
+                          reinterpret_cast<__m512i&>(b[v]));
+  }
+}
+
+int linear_widened(const uint16_t* x, int64_t ldx, const int8_t* packed, const float* scale,
+                   const float* bias, void* out, int64_t ldo, int M, int N, int pairs,
+                   int out_f32, int num_threads) {
+  const int panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
+  const int64_t out_item = out_f32 ? 4 : 2;
+#pragma omp parallel num_threads(num_threads)
+  {
+    uint16_t* widened = new uint16_t[panel_size];
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+      widen_panel(packed + p * panel_size, pairs, widened);
+      const int n0 = p * kPanel;
+      const int columns = N - n0 < kPanel ? N - n0 : kPanel;
+      for (int m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = M - m0 < kRows ? M - m0 : kRows;
+        kTiles<uint16_t>[rows](x + m0 * ldx, ldx, widened, pairs, scale + n0,
+                               bias ? bias + n0 : nullptr,
+                               static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo,
+                               columns, out_f32 != 0);
+      }
+    }
+    delete[] widened;
+  }
+  return 0;
+}
+
 template <typename W>
 int linear(const uint16_t* x, int64_t ldx, const W* packed, const float* scale,
            const float* bias, void* out, int64_t ldo, int M, int N, int K, int out_f32,
@@ -99,6 +138,11 @@ int linear(const uint16_t* x, int64_t ldx, const W* packed, const float* scale,
   const int row_tiles = (M + kRows - 1) / kRows;
   const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
   const int64_t out_item = out_f32 ? 4 : 2;
+  if constexpr (sizeof(W) == 1) {
+    if (row_tiles > 1)  // several row tiles: widen each panel once, not once per tile
+      return linear_widened(x, ldx, packed, scale, bias, out, ldo, M, N, pairs, out_f32,
+                            num_threads);
+  }
   // Panels outermost: a thread keeps its panel in cache while every row tile passes over it.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
   for (int p = 0; p < panels; ++p) {
