@@ -79,7 +79,9 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_llm):
     outputs = outputs()
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert generated <= consumed + 1, "the engine kept decoding an aborted request"
+    # Steps already running or queued when the stream was left may finish (a loaded machine
+    # delays the event loop by a step or two); a missed abort would run to 400 tokens.
+    assert generated <= consumed + 3, "the engine kept decoding an aborted request"
     manager = async_llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
 

@@ -85,7 +85,8 @@ def test_mistral_reads_its_list():
 
 def test_required_schema_offers_every_function():
     schema = required_schema(TOOLS)
-    assert schema["minItems"] == 1
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert required_schema(TOOLS, parallel=False)["maxItems"] == 1
     names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"][
@@ -115,6 +116,13 @@ def test_stream_holds_back_what_may_be_a_marker_then_sends_the_calls():
     assert call["index"] == 0 and call["type"] == "function" and call["id"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+
+
+def test_without_parallel_calls_only_the_first_counts():
+    two = CALL + "\n" + CALL.replace("Paris", "Rome")
+    content, deltas, were_calls = feed_all(ToolCallStream("auto", HermesParser(),
+                                                          parallel=False), [two])
+    assert were_calls and len(deltas) == 1 and "Paris" in deltas[0]["function"]["arguments"]
 
 
 def test_stream_releases_a_false_alarm_and_a_broken_call_as_content():

@@ -317,6 +317,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=1024)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None  # OpenAI's: False allows one call a turn
 
     @property
     def tool_dicts(self) -> Optional[List[Dict[str, Any]]]:

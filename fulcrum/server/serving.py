@@ -440,7 +440,8 @@ class OpenAIServing:
                                     "--tool-call-parser to be set", "tool_choice")
             return dataclasses.replace(params,
                                        skip_special_tokens=self.tool_parser.skip_special_tokens)
-        constraint = tool_calls.constraint(request.tool_dicts or [], request.forced_function)
+        constraint = tool_calls.constraint(request.tool_dicts or [], request.forced_function,
+                                           request.parallel_tool_calls is not False)
         if constraint is None:
             return params
         if params.structured_outputs is not None:
@@ -452,7 +453,8 @@ class OpenAIServing:
         mode = request.tool_mode
         if mode is None:
             return None
-        return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function)
+        return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function,
+                                         request.parallel_tool_calls is not False)
 
     def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None,

@@ -152,10 +152,12 @@ def make_parser(name: str) -> ToolParser:
 
 
 # --------------------------------------------------------------- tool_choice
-def required_schema(tools: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def required_schema(tools: Sequence[Dict[str, Any]], parallel: bool = True) -> Dict[str, Any]:
     """JSON for tool_choice "required": a non-empty list of calls of the given functions,
-    each `{"name": ..., "parameters": {...}}` (vLLM's form)."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+    each `{"name": ..., "parameters": {...}}` (vLLM's form); one call only unless
+    `parallel` (OpenAI's parallel_tool_calls)."""
+    limit = {} if parallel else {"maxItems": 1}
+    return {"type": "array", "minItems": 1, **limit, "items": {"anyOf": [
         {"type": "object",
          "properties": {"name": {"enum": [t["function"]["name"]]},
                         "parameters": parameters_schema(t)},
@@ -166,15 +168,15 @@ def parameters_schema(tool: Dict[str, Any]) -> Dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
-def constraint(tools: Sequence[Dict[str, Any]],
-               choice: Optional[str]) -> Optional[StructuredOutputsParams]:
+def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
+               parallel: bool = True) -> Optional[StructuredOutputsParams]:
     """The structured output that enforces tool_choice "required", or a named function
     (`choice` is then its name). Compact JSON: arguments are read by programs, and no
     model gets to pad them with whitespace."""
     if choice is None:
         return None
     if choice == "required":
-        schema = required_schema(tools)
+        schema = required_schema(tools, parallel)
     else:
         schema = parameters_schema(next(t for t in tools if t["function"]["name"] == choice))
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
@@ -199,8 +201,9 @@ class ToolCallStream:
     (with `function`, whose arguments are the answer itself)."""
 
     def __init__(self, mode: str, parser: Optional[ToolParser] = None,
-                 function: Optional[str] = None) -> None:
+                 function: Optional[str] = None, parallel: bool = True) -> None:
         self.mode, self.parser, self.function = mode, parser, function
+        self.parallel = parallel  # False: only the first call the model made counts
         self.text = ""
         self.sent = 0  # characters of `text` already sent as content (auto)
         self.named_id: Optional[str] = None
@@ -226,6 +229,7 @@ class ToolCallStream:
             except (ValueError, TypeError, KeyError):
                 return ToolDelta(content=self.text or None), False
         content, calls = self.parser.parse(self.text)
+        calls = calls if self.parallel else calls[:1]
         rest = (content or "")[self.sent:] if calls else self.text[self.sent:]
         return ToolDelta(content=rest or None, tool_calls=_deltas(calls)), bool(calls)
 

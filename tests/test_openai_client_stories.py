@@ -1,0 +1,103 @@
+"""Issue 10's items through the official `openai` client against stories260K, a real trained
+Llama (vocabulary 512): what a vLLM user's code sends is what fulcrum serves. A one-line chat
+template joins the messages (the model ships none), so chat and tools work too."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from conftest import running_server
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+PROMPT = "Once upon a time"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def client(stories_dir):
+    with running_server(stories_dir, "stories", scheduling_policy="fcfs",
+                        app_kwargs={"chat_template": TEMPLATE,
+                                    "tool_call_parser": "hermes"}) as (server, _):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+def complete(client, **kwargs):
+    kwargs = {"model": "stories", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+              **kwargs}
+    return client.completions.create(**kwargs)
+
+
+def token_ids(client, text):
+    import httpx
+
+    return httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                      json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_token_controls(client):
+    plain = complete(client).choices[0].text
+    (the,) = token_ids(client, "the")[-1:]
+    biased = complete(client, logit_bias={str(the): 100}).choices[0].text
+    assert biased.replace(" ", "") == "the" * 8 or set(biased.split()) == {"the"}
+    allowed = token_ids(client, " Lily")
+    text = complete(client, extra_body={"allowed_token_ids": allowed}).choices[0].text
+    assert set(token_ids(client, text)) <= set(allowed) and text != plain
+    assert "there" in plain  # ", there was a little girl ..."
+    banned = complete(client, extra_body={"bad_words": ["there"]}).choices[0].text
+    assert "there" not in banned and banned != plain
+
+
+def test_prompt_logprobs_echo_and_truncation(client):
+    echoed = complete(client, echo=True, logprobs=2, max_tokens=3).choices[0]
+    prompt_tokens = len(token_ids(client, PROMPT)) + 1  # with <s>
+    assert echoed.text.startswith(PROMPT)
+    assert len(echoed.logprobs.tokens) == prompt_tokens + 3
+    assert echoed.logprobs.token_logprobs[0] is None
+    assert all(v <= 0 for v in echoed.logprobs.token_logprobs[1:])
+    asked = complete(client, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert len(asked.choices[0].model_extra["prompt_logprobs"]) == prompt_tokens
+    cut = complete(client, max_tokens=2, extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+
+
+def test_structured_and_tools(client):
+    schema = {"type": "object", "properties": {"name": {"enum": ["Lily", "Tom"]},
+                                               "age": {"type": "integer", "minimum": 1,
+                                                       "maximum": 9}},
+              "required": ["name", "age"]}
+    reply = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": PROMPT}], max_tokens=60,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    value = json.loads(reply.choices[0].message.content)
+    assert value["name"] in ("Lily", "Tom") and 1 <= value["age"] <= 9
+    called = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40)
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    required = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    assert required.choices[0].finish_reason == "tool_calls"
+    (only,) = required.choices[0].message.tool_calls  # a real model would go on listing calls
+    assert json.loads(only.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_vllm_400s(client):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="stories", messages=[{"role": "user",
+                                                                   "content": "x"}],
+                                       top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed"):
+        complete(client, stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="needs scheduling_policy='priority'"):
+        complete(client, extra_body={"priority": 1})
+    with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
+        complete(client, extra_body={"guided_regex": "("})
