@@ -155,14 +155,15 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
     preempts_for_seats = True
 
-    def effective_priority(self, request: Request) -> int:
-        return request.priority - int((self.now - request.arrival_time) // PRIORITY_AGING_S)
-
     def key(self, request: Request) -> SortKey:
-        return (self.effective_priority(request), request.arrival_time, request.request_id)
+        """(effective priority: its value less one per PRIORITY_AGING_S waited, arrival, id);
+        one call, no helper: the queue is sorted by this every step."""
+        arrival = request.arrival_time
+        return (request.priority - int((self.now - arrival) // PRIORITY_AGING_S), arrival,
+                request.request_id)
 
     def may_preempt_for(self, candidate: Request, victim: Request) -> bool:
-        return self.effective_priority(candidate) < self.effective_priority(victim)
+        return self.key(candidate)[0] < self.key(victim)[0]
 
 
 class SloPolicy(FcfsPolicy):
