@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum import kernels
+from fulcrum.models.native_stack import NativeStack
 from fulcrum.attention import AttentionBackend, AttentionMetadata
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
@@ -281,9 +282,13 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, backend)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.native: Optional[NativeStack] = None  # set once the weights are packed
 
     def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
+        if self.native is not None:
+            hidden, residual = self.native(hidden, positions, kv_caches, meta)
+            return self.norm(hidden, residual)[0]
         rope = self.rotary.table(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -316,6 +321,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(quantization if module is not self.lm_head else None)
+        self.model.native = NativeStack.for_model(self.model,
+                                                  self.model.layers[0].self_attn.backend)
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""

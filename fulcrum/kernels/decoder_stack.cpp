@@ -1,0 +1,120 @@
+// The whole decoder stack of one step in one native call (bf16 on CPU, the varlen attention
+// backend): for every layer, norm -> QKV -> RoPE -> KV write -> attention -> O -> norm ->
+// gate/up -> SiLU*up -> down, with the residual adds fused into the norms, exactly as the
+// Python layers do it and through the same kernels (their entry points are handed in), so
+// the results are the same bit for bit. What it removes is the Python between the kernels:
+// a decode step of a 30-layer model makes ~360 kernel calls, each with its own wrapper,
+// allocation and ctypes crossing, which cost about as much as streaming the weights at
+// batch 1.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+
+typedef int (*LinearFn)(const uint16_t*, int64_t, const uint16_t*, const float*, void*, int64_t,
+                        int, int, int, int, int);
+typedef int (*LinearInt8Fn)(const uint16_t*, int64_t, const int8_t*, const float*, const float*,
+                            void*, int64_t, int, int, int, int, int);
+typedef int (*RmsNormFn)(const uint16_t*, int64_t, uint16_t*, const uint16_t*, uint16_t*,
+                         int64_t, int, int, float, int);
+typedef int (*SiluMulFn)(const uint16_t*, uint16_t*, int, int, int);
+typedef int (*RopeFn)(uint16_t*, int64_t, const int64_t*, const float*, const float*, int, int,
+                      int, int);
+typedef int (*WriteKvFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*,
+                         uint16_t*, const int64_t*, int, int, int, int);
+typedef int (*AttentionFn)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
+                           const int64_t*, const int64_t*, uint16_t*, int, int, int, int, int,
+                           int, float, int, int);
+
+struct Kernels {
+  LinearFn linear;
+  LinearInt8Fn linear_int8;
+  RmsNormFn rms_norm;
+  SiluMulFn silu_mul;
+  RopeFn rope;
+  WriteKvFn write_kv;
+  AttentionFn attention;
+};
+
+struct Projection {  // a packed weight (bf16 panels, or int8 ones with per-column scales)
+  const void* packed;
+  const float* scale;  // null: bf16
+  const float* bias;   // null: none
+};
+
+struct Layer {
+  Projection qkv, o, gate_up, down;
+  const uint16_t* input_norm;
+  const uint16_t* post_norm;
+  uint16_t* k_cache;
+  uint16_t* v_cache;
+};
+
+struct Dims {
+  int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int block_size, max_blocks, window, num_threads;
+  float eps, scale;
+};
+
+struct Step {
+  int num_tokens, num_seqs;
+  uint16_t* hidden;    // in: the embeddings [T, hidden]; out: the last layer's output
+  uint16_t* residual;  // out: the residual stream [T, hidden] (the final norm adds it)
+  uint16_t *normed, *qkv, *q, *attn, *gate_up, *act;  // scratch
+  const int64_t* positions;
+  const float *cos, *sin;
+  const int64_t *slots, *tables, *query_start, *seq_lens;
+};
+
+static int project(const Kernels& k, const Projection& p, const uint16_t* x, int rows, int in,
+                   int out, uint16_t* y, int threads) {
+  if (p.scale)
+    return k.linear_int8(x, in, static_cast<const int8_t*>(p.packed), p.scale, p.bias, y, out,
+                         rows, out, in, 0, threads);
+  return k.linear(x, in, static_cast<const uint16_t*>(p.packed), p.bias, y, out, rows, out, in,
+                  0, threads);
+}
+
+int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dims* dims,
+                          const Step* step) {
+  const Kernels& k = *kernels;
+  const Dims& d = *dims;
+  const Step& s = *step;
+  const int T = s.num_tokens, H = d.hidden, threads = d.num_threads;
+  const int q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
+  const int qkv_size = q_size + 2 * kv_size;
+  int status = 0;
+  for (int l = 0; l < d.num_layers && !status; ++l) {
+    const Layer& layer = layers[l];
+    if (l == 0) {
+      std::memcpy(s.residual, s.hidden, sizeof(uint16_t) * T * H);
+      status |= k.rms_norm(s.hidden, H, nullptr, layer.input_norm, s.normed, H, T, H, d.eps,
+                           threads);
+    } else {
+      status |= k.rms_norm(s.hidden, H, s.residual, layer.input_norm, s.normed, H, T, H, d.eps,
+                           threads);
+    }
+    status |= project(k, layer.qkv, s.normed, T, H, qkv_size, s.qkv, threads);
+    // q and k heads side by side in each row: one rotation call for both
+    status |= k.rope(s.qkv, qkv_size, s.positions, s.cos, s.sin, T,
+                     d.num_heads + d.num_kv_heads, d.head_dim, threads);
+    status |= k.write_kv(s.qkv + q_size, qkv_size, s.qkv + q_size + kv_size, qkv_size,
+                         layer.k_cache, layer.v_cache, s.slots, T, d.num_kv_heads, d.head_dim,
+                         threads);
+    for (int t = 0; t < T; ++t)
+      std::memcpy(s.q + static_cast<int64_t>(t) * q_size,
+                  s.qkv + static_cast<int64_t>(t) * qkv_size, sizeof(uint16_t) * q_size);
+    status |= k.attention(s.q, layer.k_cache, layer.v_cache, s.tables, s.query_start,
+                          s.seq_lens, s.attn, s.num_seqs, d.num_heads, d.num_kv_heads,
+                          d.head_dim, d.block_size, d.max_blocks, d.scale, d.window, threads);
+    status |= project(k, layer.o, s.attn, T, q_size, H, s.hidden, threads);
+    status |= k.rms_norm(s.hidden, H, s.residual, layer.post_norm, s.normed, H, T, H, d.eps,
+                         threads);
+    status |= project(k, layer.gate_up, s.normed, T, H, 2 * d.intermediate, s.gate_up, threads);
+    status |= k.silu_mul(s.gate_up, s.act, T, d.intermediate, threads);
+    status |= project(k, layer.down, s.act, T, d.intermediate, H, s.hidden, threads);
+  }
+  return status;
+}
+
+}  // extern "C"

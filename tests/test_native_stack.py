@@ -1,0 +1,58 @@
+"""The decoder stack in one native call (fulcrum/kernels/decoder_stack.cpp) computes what the
+Python layers compute, bit for bit: the same tokens and the same logprobs under chunked
+prefill beside decodes, in bf16 and with int8 weights, with and without QKV bias; models it
+cannot run (per-head q/k norm) keep the Python layers."""
+
+import pytest
+import torch
+
+from fulcrum import LLM, SamplingParams, kernels
+from fulcrum.default_model import write_byte_level_tokenizer
+
+pytestmark = pytest.mark.skipif(
+    not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
+    reason="no AVX512-BF16 kernels on this machine")
+
+
+def build(folder, arch):
+    import transformers as tf
+
+    sizes = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                 initializer_range=0.1, eos_token_id=258, bos_token_id=256,
+                 tie_word_embeddings=False)
+    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config,
+              "qwen3": lambda **kw: tf.Qwen3Config(head_dim=64, **kw)}[arch](**sizes)
+    torch.manual_seed(1)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    write_byte_level_tokenizer(folder, 320, 512)
+    return folder
+
+
+def run(llm, native):
+    model = llm.llm_engine.runner.model.model
+    saved, model.native = model.native, (model.native if native else None)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (70, 9, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model.native = saved
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in entry.items()}
+                                      for entry in o.outputs[0].logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_native_stack_matches_the_python_layers(tmp_path, arch, quantization):
+    llm = LLM(str(build(tmp_path / arch, arch)), dtype="bfloat16", quantization=quantization,
+              max_num_batched_tokens=32, scheduling_policy="fcfs", enable_prefix_caching=False)
+    assert llm.llm_engine.runner.model.model.native is not None
+    assert run(llm, native=True) == run(llm, native=False)
+
+
+def test_models_it_cannot_run_keep_the_python_layers(tmp_path):
+    llm = LLM(str(build(tmp_path / "qwen3", "qwen3")), dtype="bfloat16")
+    assert llm.llm_engine.runner.model.model.native is None  # q/k RMSNorm per head
+    assert LLM(str(build(tmp_path / "f32", "llama")), dtype="float32"
+               ).llm_engine.runner.model.model.native is None
