@@ -406,7 +406,8 @@ class LLMEngine:
                                         for c in scheduled.chunks})
         sampled, failed = result.sampled, result.failed
         self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        failed.update(self._advance_grammars(scheduled, sampled))
+        if self._grammar_compiler is not None:  # none before the first constrained request
+            failed.update(self._advance_grammars(scheduled, sampled))
         failed.update(grammar_failed)
         self._fail(failed)
         ended = self.scheduler.update_from_output(scheduled, sampled)

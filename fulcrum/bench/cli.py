@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib
 import importlib.metadata
 import json
 import os
@@ -31,10 +32,10 @@ def register(subparsers) -> None:
     _register_throughput(commands)
     _register_sweep(commands)
     _register_report(commands)
-    _register_goodput(commands)
+    _register_module_command(commands, "goodput")
     _register_stress(commands)
-    _register_structured(commands)
-    _register_latency(commands)
+    _register_module_command(commands, "structured")
+    _register_module_command(commands, "latency")
 
 
 def _register_serve(commands) -> None:
@@ -120,41 +121,33 @@ def _register_report(commands) -> None:
     parser.set_defaults(func=run_report)
 
 
-def _register_goodput(commands) -> None:
-    from fulcrum.bench.goodput import add_goodput_args, run_goodput
-
-    parser = commands.add_parser(
-        "goodput", help="goodput against offered load: fulcrum's policies beside vLLM's",
-        description="Serve each engine in turn and offer it chat-like bursty traffic at rising "
-                    "request rates; report the requests/s that meet both latency targets "
-                    "(TTFT and TPOT), with a plot. Writes goodput.md, goodput.json and "
-                    "goodput.png.")
-    add_goodput_args(parser)
-    parser.set_defaults(func=run_goodput)
-
-
-def _register_latency(commands) -> None:
-    from fulcrum.bench.latency import add_args, run_latency
-
-    parser = commands.add_parser(
-        "latency", help="time per output token at batch 1, 4, 16, 64 against the roofline",
-        description="Decode batches of several sizes in-process and compare each step's time "
-                    "with this machine's measured memory bandwidth and bf16 peak. Writes "
-                    "latency.json, latency.md and latency.png.")
-    add_args(parser)
-    parser.set_defaults(func=run_latency)
+# Subcommands whose module brings its own arguments and runner:
+# name -> (module, its add-arguments function, its run function, help, description).
+_MODULE_COMMANDS = {
+    "goodput": ("fulcrum.bench.goodput", "add_goodput_args", "run_goodput",
+                "goodput against offered load: fulcrum's policies beside vLLM's",
+                "Serve each engine in turn and offer it chat-like bursty traffic at rising "
+                "request rates; report the requests/s that meet both latency targets (TTFT and "
+                "TPOT), with a plot. Writes goodput.md, goodput.json and goodput.png."),
+    "latency": ("fulcrum.bench.latency", "add_args", "run_latency",
+                "time per output token at batch 1, 4, 16, 64 against the roofline",
+                "Decode batches of several sizes in-process, bf16 and int8 weights side by "
+                "side, and compare each step's time with this machine's measured memory "
+                "bandwidth and matrix peak. Writes latency.json, latency.md and latency.png."),
+    "structured": ("fulcrum.bench.structured", "add_args", "run_structured",
+                   "what structured outputs cost a decode step",
+                   "Decode a batch in-process unconstrained and under a JSON schema, runs "
+                   "alternating; report the median step time of each and the difference. "
+                   "Writes structured_outputs.json and structured_outputs.md."),
+}
 
 
-def _register_structured(commands) -> None:
-    from fulcrum.bench.structured import add_args, run_structured
-
-    parser = commands.add_parser(
-        "structured", help="what structured outputs cost a decode step",
-        description="Decode a batch in-process unconstrained and under a JSON schema, runs "
-                    "alternating; report the median step time of each and the difference. "
-                    "Writes structured_outputs.json and structured_outputs.md.")
-    add_args(parser)
-    parser.set_defaults(func=run_structured)
+def _register_module_command(commands, name: str) -> None:
+    module, add_args, run, help_text, description = _MODULE_COMMANDS[name]
+    loaded = importlib.import_module(module)
+    parser = commands.add_parser(name, help=help_text, description=description)
+    getattr(loaded, add_args)(parser)
+    parser.set_defaults(func=getattr(loaded, run))
 
 
 def _register_stress(commands) -> None:

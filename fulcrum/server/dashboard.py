@@ -19,12 +19,13 @@ import asyncio
 import random
 import time
 from importlib import resources
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from fulcrum.bench.metrics import summarize_ms
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server.serving import APIError
 
@@ -33,17 +34,6 @@ MAX_STEPS = 600  # steps one poll returns (the page shows fewer)
 MAX_REQUESTS = 50  # rows of the in-flight table
 WINDOW_S = 60.0  # latency percentiles and SLO attainment over this many seconds
 THROUGHPUT_WINDOW_S = 10.0
-
-
-def percentiles(values: Sequence[float]) -> Optional[Dict[str, float]]:
-    """p50, p90, p99 (nearest rank) of `values`, in milliseconds."""
-    if not values:
-        return None
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:
-        return 1e3 * ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99)}
 
 
 def _tail(records: Any, keep: Callable[[Any], bool], limit: int) -> List[Any]:
@@ -116,8 +106,9 @@ class DashboardFeed:
         tpot = [r.tpot_s for r in done if r.tpot_s is not None]
         met = [(r.ttft_s is not None and r.ttft_s <= r.slo_ttft_s)
                and (r.tpot_s is None or r.tpot_s <= r.slo_tpot_s) for r in done]
-        return {"window_s": WINDOW_S, "finished": len(done), "ttft_ms": percentiles(ttft),
-                "tpot_ms": percentiles(tpot),
+        return {"window_s": WINDOW_S, "finished": len(done),
+                "ttft_ms": summarize_ms(ttft) if ttft else None,
+                "tpot_ms": summarize_ms(tpot) if tpot else None,
                 "slo_met_share": sum(met) / len(met) if met else None}
 
     def _throughput(self, now: float) -> Dict[str, Any]:

@@ -212,7 +212,7 @@ const HISTORY = 120;  // steps and polls kept for the charts
 let lastStep = -1, stepsSeen = 0, steps = [], polls = [], polling = null, run = null;
 
 function fmt(value, digits = 0) { return value === null || value === undefined ? "-" : value.toFixed(digits); }
-function triple(p) { return p ? `${fmt(p.p50)} / ${fmt(p.p90)} / ${fmt(p.p99)}` : "-"; }
+function triple(p) { return p ? `${fmt(p.median)} / ${fmt(p.p90)} / ${fmt(p.p99)}` : "-"; }
 
 async function poll() {
   clearTimeout(polling);
