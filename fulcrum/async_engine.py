@@ -321,6 +321,8 @@ class AsyncLLM:
             logger.exception("the engine loop failed")
             self._dead = error
             self._post(self._fail_streams, EngineDeadError(f"the engine loop failed: {error!r}"))
+        finally:
+            self.engine.shutdown()  # the other tensor-parallel ranks, if any
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is a command or an unfinished request; False when stopping."""

@@ -69,9 +69,15 @@ class EngineConfig:
     # A model's own sampling defaults: "auto" (its generation_config.json, if any), "vllm"
     # (none: the library's), or a folder holding a generation_config.json.
     generation_config: str = "auto"
-    # vLLM launch arguments with the only value fulcrum supports today (one process, one
-    # device), accepted so that vLLM commands carry over; any other value is refused.
+    # Tensor parallelism: the model split across this many ranks (processes), each with its
+    # share of the heads and MLP width, combined by all-reduces over torch.distributed.
     tensor_parallel_size: int = 1
+    # How the other ranks are started: "mp" (spawned processes, the default with several
+    # ranks), "ray" (Ray actors; joins $RAY_ADDRESS's cluster, else starts a local one),
+    # "external_launcher" (torchrun's processes), "uni" (one rank, in-process; the default
+    # with one). With one rank, the model always runs in the engine's process.
+    distributed_executor_backend: Optional[str] = None
+    # vLLM's; only 1 (fulcrum has no pipeline parallelism), accepted so commands carry over.
     pipeline_parallel_size: int = 1
     # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
     enforce_eager: bool = False
@@ -115,10 +121,19 @@ class EngineConfig:
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a positive number of milliseconds, "
                                  f"got {value!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet: fulcrum "
-                                 "runs one process on one device (only 1 is accepted)")
+        positive("tensor_parallel_size")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} is not "
+                             "supported: fulcrum splits models by tensor parallelism only "
+                             "(only 1 is accepted)")
+        backends = ("uni", "mp", "ray", "external_launcher")
+        if self.distributed_executor_backend not in (None, *backends):
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(backends)}, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend='uni' runs one rank; "
+                             f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp', "
+                             "'ray' or 'external_launcher'")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported: fulcrum "
                              "has weight-only 'int8' (or None)")
@@ -176,7 +191,13 @@ class EngineConfig:
                 partial = max_num_seqs
             else:
                 partial = max(1, budget // threshold) if threshold else 1
+        backend = self.distributed_executor_backend
+        if self.tensor_parallel_size == 1:
+            backend = "uni"
+        elif backend is None:
+            backend = "mp"
         return dataclasses.replace(
-            self, max_model_len=max_model_len, max_num_batched_tokens=budget,
+            self, distributed_executor_backend=backend,
+            max_model_len=max_model_len, max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partial)

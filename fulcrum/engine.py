@@ -18,14 +18,14 @@ from typing import (TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional,
 
 import torch
 
-from fulcrum.attention import make_backend
 from fulcrum.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.generation_config import load_generation_defaults
-from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
-from fulcrum.model_loader import load_hf_config, load_model, resolve_dtype
+from fulcrum.executor import ExecutorError, make_executor
+from fulcrum.model_loader import load_hf_config, resolve_dtype
 from fulcrum.models import model_class
+from fulcrum.models.sharding import Shard
 from fulcrum.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
@@ -35,6 +35,7 @@ from fulcrum.scheduler import Scheduler
 from fulcrum.stats import FinishedRequest, StepStats
 from fulcrum.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
+from fulcrum.worker import WorkerConfig
 
 if TYPE_CHECKING:
     from fulcrum.structured_output import GrammarCompiler
@@ -74,21 +75,15 @@ class LLMEngine:
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, hf_config))
         spec = model_class(hf_config).spec_from_config(hf_config)
-        backend = make_backend(self.device, self.dtype, self.kv_cache_dtype,
-                               spec.num_heads // spec.num_kv_heads, spec.head_dim,
-                               self.config.block_size)
-        model = load_model(model_dir, hf_config, self.dtype, self.device, backend, load_format,
-                           config.seed, config.quantization)
-        self.vocab_size = model.spec.vocab_size
-        num_blocks = num_kv_blocks(self.config, model.spec, self.kv_cache_dtype, self.device)
-        caches = allocate_kv_caches(model.spec, num_blocks, self.config.block_size,
-                                    self.kv_cache_dtype, self.device, backend)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size,
+        Shard(0, self.config.tensor_parallel_size, spec)  # refuses a split before any rank starts
+        self.vocab_size = spec.vocab_size
+        self.executor = make_executor(WorkerConfig(
+            self.config, model_dir, load_format, hf_config, self.dtype, self.kv_cache_dtype,
+            self.device.type))
+        self.block_manager = BlockManager(self.executor.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.step_time = StepTimeModel()
         self.scheduler = Scheduler(self.config, self.block_manager, self.step_time)
-        self.runner = ModelRunner(model, caches, self.config.block_size, self.device,
-                                  config.seed, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats: Deque[StepStats] = collections.deque(maxlen=STATS_HISTORY)
         # Requests that ran their course, newest last (the dashboard's latency window).
@@ -107,6 +102,15 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(**kwargs))
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The driver's model runner (rank 0's, in this process)."""
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (requests in flight are dropped)."""
+        self.executor.shutdown()
 
     # ---------------------------------------------------------- step-time model
     def _profile_step_time(self) -> None:
@@ -399,7 +403,9 @@ class LLMEngine:
             self._wait_for_grammars()
         predicted = self.step_time.predict(scheduled.shape)
         try:
-            result = self.runner.execute(scheduled)
+            result = self.executor.execute(scheduled)
+        except ExecutorError:
+            raise  # ranks out of step: nothing more can run
         except Exception as error:  # noqa: BLE001 - the step never happened; see _fail
             logger.exception("the forward pass failed; failing the step's requests")
             result = StepResult(failed={c.request_id: f"the forward pass failed: {error!r}"

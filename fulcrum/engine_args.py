@@ -52,8 +52,12 @@ _HELP = {
                            "Retry-After beyond it (default 1024)",
     "generation_config": "sampling defaults for unset request fields: auto (the model's "
                          "generation_config.json), vllm (none), or a folder holding one",
-    "tensor_parallel_size": "vLLM's; only 1 (one device) is supported today",
-    "pipeline_parallel_size": "vLLM's; only 1 (one device) is supported today",
+    "tensor_parallel_size": "split the model across this many ranks (processes; on CPU each "
+                            "gets its share of the cores; see docs/distributed.md)",
+    "distributed_executor_backend": "how the other ranks start: mp (spawned processes, the "
+                                    "default), ray (Ray actors; $RAY_ADDRESS's cluster or a "
+                                    "local one), external_launcher (under torchrun)",
+    "pipeline_parallel_size": "vLLM's; only 1 (fulcrum has tensor parallelism only)",
     "enforce_eager": "vLLM's; fulcrum captures no graphs and always runs eagerly",
     "quantization": "int8: weight-only int8 with a scale per output channel, computed at load "
                     "(half the weight bytes a decode step reads; the LM head stays unquantized)",
@@ -61,6 +65,9 @@ _HELP = {
     "tokenizer_mode": "vLLM's; only auto (the model's tokenizer.json)",
     "disable_log_stats": "no periodic stats line from the server (vLLM's)",
 }
+
+
+_SHORT = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}  # vLLM's
 
 
 def _base_type(annotation: Any) -> type:
@@ -80,14 +87,14 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple = ("model",)) -
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_SHORT.get(f.name, ())]
         default = getattr(defaults, f.name)
         kind = _base_type(f.name)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                help=_HELP.get(f.name))
         else:
-            group.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
+            group.add_argument(*flags, type=kind, default=default, help=_HELP.get(f.name))
 
 
 def engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:

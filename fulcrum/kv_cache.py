@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
 from fulcrum.attention import AttentionBackend
 from fulcrum.config import EngineConfig
-from fulcrum.models.layers import DecoderSpec, KVCache
+from fulcrum.models.layers import KVCache
+from fulcrum.models.spec import DecoderSpec
+
+if TYPE_CHECKING:
+    from fulcrum.distributed.group import ParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +66,9 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """Blocks for the cache, the null block included."""
+                  device: torch.device, group: Optional["ParallelGroup"] = None) -> int:
+    """Blocks for the cache, the null block included; with a tensor-parallel `group`, the
+    fewest that fit on any of its ranks (one block table serves them all)."""
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     else:
@@ -72,6 +77,8 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
         if config.kv_cache_memory_bytes is None:
             most_ever_used = config.max_num_seqs * -(-config.max_model_len // config.block_size)
             num_blocks = min(num_blocks, most_ever_used + 1)
+    if group is not None:
+        num_blocks = group.min_int(num_blocks)
     usable = num_blocks - 1
     if usable * config.block_size < config.max_model_len:
         raise ValueError(

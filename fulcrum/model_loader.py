@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from fulcrum.attention import AttentionBackend
 from fulcrum.models import model_class
-from fulcrum.models.layers import DecoderForCausalLM
+from fulcrum.models.layers import STACKED_PARAMS, DecoderForCausalLM, MergedLinear
+
+if TYPE_CHECKING:
+    from fulcrum.distributed.group import ParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,9 @@ def _safetensors_files(folder: Path) -> list:
     return sorted(folder.glob("*.safetensors"))
 
 
-def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
+    """(name, tensor) pairs of a checkpoint; from safetensors, lazy slices that read only
+    the part a tensor-parallel rank asks for."""
     folder = Path(model_dir)
     if load_format in ("auto", "safetensors"):
         files = _safetensors_files(folder)
@@ -62,7 +67,7 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, torch.
             for file in files:
                 with safe_open(str(file), framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        yield name, f.get_slice(name)
             return
         if load_format == "safetensors" or not list(folder.glob("*.bin")):
             raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}")
@@ -79,34 +84,52 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, torch.
     raise ValueError(f"cannot read weights with load_format={load_format!r}")
 
 
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Small random weights (norm scales stay 1) so activations stay finite at any depth."""
+_UNFUSED = {}
+for _part, (_fused, _index) in STACKED_PARAMS.items():
+    _UNFUSED.setdefault(_fused, []).append(_part)
+
+
+def dummy_weights(model: DecoderForCausalLM, seed: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A checkpoint of small random weights (norm scales 1, so activations stay finite at
+    any depth) in HF naming, for the whole model whatever share of it `model` holds: every
+    tensor-parallel size builds the same model from the same seed."""
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    with torch.device("meta"):
+        whole = type(model)(model.shard.full, None)
+    for name, param in whole.named_parameters():
         if name.endswith("norm.weight"):
+            yield name, torch.ones(param.shape)
             continue
         values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
                                                                        generator=generator)
-        param.data.copy_(values)
+        module_name, kind = name.rsplit(".", 1)
+        module = whole.get_submodule(module_name)
+        if not isinstance(module, MergedLinear):
+            yield name, values
+            continue
+        prefix, fused = module_name.rsplit(".", 1)
+        for part, piece in zip(_UNFUSED[fused], values.split(module.output_sizes)):
+            yield f"{prefix}.{part}.{kind}", piece
 
 
 def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
                device: torch.device, backend: AttentionBackend, load_format: str,
-               seed: int, quantization: Optional[str] = None) -> DecoderForCausalLM:
+               seed: int, quantization: Optional[str] = None,
+               group: Optional["ParallelGroup"] = None) -> DecoderForCausalLM:
+    """The model, or with `group` this rank's share of it (reading only its slices)."""
     cls = model_class(hf_config)
     spec = cls.spec_from_config(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(spec, backend)
+            model = cls(spec, backend, group)
     finally:
         torch.set_default_dtype(previous)
-    if load_format == "dummy":
-        _init_dummy(model, seed)
-    else:
-        with torch.no_grad():
-            model.load_weights(iter_weights(model_dir, load_format))
+    weights = (dummy_weights(model, seed) if load_format == "dummy"
+               else iter_weights(model_dir, load_format))
+    with torch.no_grad():
+        model.load_weights(weights)
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     model.pack_weights(quantization)

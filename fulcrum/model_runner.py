@@ -3,6 +3,10 @@
 Inputs are built with numpy in a handful of vectorised operations (no per-token Python
 loops): flat token ids and positions, the cache slot of every new token, and the
 attention metadata (single-token queries first, then prefill chunks).
+
+Under tensor parallelism every rank runs the same forward pass and the same LM-head calls
+(their collectives must pair up); the driver's runner alone samples (`execute`), the
+others `follow` from the chunks the driver sends them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +40,29 @@ class StepResult:
     prompt_logprobs: Dict[str, List[Dict[int, Logprob]]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class ChunkInput:
+    """A chunk as the driver sends it to the other ranks: the blocks its request got since
+    the last step that sent it (`block_table` is rebuilt by the receiving rank)."""
+
+    request_id: str
+    token_ids: List[int]
+    start_pos: int
+    new_blocks: List[int]
+    sample: bool
+    num_prompt_logprob_targets: int
+    block_table: List[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def step_order(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
+    """The runner's row order: single-token queries first, then prefill chunks."""
+    return sorted(chunks, key=lambda c: c.num_tokens > 1)
+
+
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: List[KVCache], block_size: int,
                  device: torch.device, seed: int, backend: AttentionBackend) -> None:
@@ -55,35 +82,52 @@ class ModelRunner:
         self.sampler.forget(output.finished_request_ids)
         if output.is_empty:
             return StepResult()
-        chunks = sorted(output.chunks, key=lambda c: c.num_tokens > 1)
-        input_ids, positions, meta, logits_rows = self._prepare(chunks)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[logits_rows]) if len(logits_rows) else None
-        self.last_forward_seconds = time.perf_counter() - start
+        chunks = step_order(output.chunks)
+        hidden, logits = self._forward(chunks)
         result = StepResult(prompt_logprobs=self._prompt_logprobs(hidden, chunks))
         if logits is not None:
             result.sampled, result.failed = self._sample(
                 logits, [c.sampling for c in chunks if c.sample])
         return result
 
+    def follow(self, chunks: Sequence[ChunkInput]) -> None:
+        """A non-driver rank's step: the driver's forward pass and LM-head calls, on this
+        rank's share of the model; the driver samples."""
+        hidden, _ = self._forward(chunks)
+        with torch.inference_mode():
+            for _, _, rows in self._prompt_logprob_rows(chunks):
+                self.model.compute_logits(hidden[rows])
+
+    def _forward(self, chunks) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(hidden states of every row, logits of the rows that sample)."""
+        input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[logits_rows]) if len(logits_rows) else None
+        self.last_forward_seconds = time.perf_counter() - start
+        return hidden, logits
+
+    @staticmethod
+    def _prompt_logprob_rows(chunks) -> Iterator[Tuple[object, slice, slice]]:
+        """(chunk, its targets' part, the hidden rows that predict them), in the order every
+        rank computes them, PROMPT_LOGPROB_ROWS at a time."""
+        offset = 0
+        for chunk in chunks:
+            for first in range(0, chunk.num_prompt_logprob_targets, PROMPT_LOGPROB_ROWS):
+                last = min(first + PROMPT_LOGPROB_ROWS, chunk.num_prompt_logprob_targets)
+                yield chunk, slice(first, last), slice(offset + first, offset + last)
+            offset += chunk.num_tokens
+
     @torch.inference_mode()
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          chunks: List[ScheduledChunk]) -> Dict[str, List[Dict[int, Logprob]]]:
         """Logprobs of the prompt tokens that chunks' positions predict (raw, as vLLM's)."""
         found: Dict[str, List[Dict[int, Logprob]]] = {}
-        offset = 0
-        for chunk in chunks:
-            targets = chunk.prompt_logprob_targets
-            if targets:
-                entries = found.setdefault(chunk.request_id, [])
-                for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-                    part = targets[first:first + PROMPT_LOGPROB_ROWS]
-                    rows = hidden[offset + first:offset + first + len(part)]
-                    logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                    entries += logprob_entries(logprobs, part, chunk.num_prompt_logprobs)
-            offset += chunk.num_tokens
+        for chunk, part, rows in self._prompt_logprob_rows(chunks):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            found.setdefault(chunk.request_id, []).extend(logprob_entries(
+                logprobs, chunk.prompt_logprob_targets[part], chunk.num_prompt_logprobs))
         return found
 
     def _sample(self, logits: torch.Tensor,

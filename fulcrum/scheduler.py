@@ -46,6 +46,10 @@ class ScheduledChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_prompt_logprob_targets(self) -> int:
+        return len(self.prompt_logprob_targets) if self.prompt_logprob_targets else 0
+
 
 @dataclass
 class SchedulerOutput:

@@ -68,15 +68,20 @@ def test_vllm_launch_arguments_with_the_supported_value(llama_dir):
     out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2),
                        use_tqdm=False, lora_request=None)
     assert len(out[0].outputs[0].token_ids) == 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
-        LLM(str(llama_dir), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is not supported yet"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is not supported"):
         LLM(str(llama_dir), pipeline_parallel_size=4)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="threads")
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        LLM(str(llama_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="lora_request is not supported"):
         llm.generate([{"prompt_token_ids": PROMPT}], lora_request=object())
     with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
         llm.generate([{"prompt_token_ids": PROMPT}], priority=[1])
     assert not llm.llm_engine.has_unfinished_requests()
+    assert build_parser().parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
     args = build_parser().parse_args(["serve", "--disable-log-requests",
                                       "--tensor-parallel-size", "1", "--enforce-eager"])
     assert (args.enable_log_requests, args.tensor_parallel_size, args.enforce_eager) == \

@@ -2,14 +2,16 @@
 
 A per-architecture file only says how its Hugging Face config maps onto `DecoderSpec`; the
 transformer itself (fused QKV and gate/up projections, rotary embeddings, RMSNorm, paged
-attention) is written once, here.
+attention) is written once, here. Under tensor parallelism (a `ParallelGroup`), each rank
+builds the same layers at its share's size (`Shard`); the row-parallel linears, the embedding
+and the LM head then combine the ranks' parts with one collective each.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,32 +19,14 @@ from torch import nn
 
 from fulcrum import kernels
 from fulcrum.models.native_stack import NativeStack
+from fulcrum.models.sharding import Shard
+from fulcrum.models.spec import DecoderSpec
 from fulcrum.attention import AttentionBackend, AttentionMetadata
 
+if TYPE_CHECKING:
+    from fulcrum.distributed.group import ParallelGroup
+
 KVCache = Tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """The shape and options of a Llama-family decoder, read from its HF config."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_proj_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: Optional[int] = None
-    hidden_act: str = "silu"
 
 
 # ------------------------------------------------------------------- normalisation
@@ -149,12 +133,17 @@ class Linear(nn.Linear):
     tied LM head's packed copy sits beside the embedding table, which lookups still need).
     `pack("int8")` quantizes it first (weight-only int8, a scale per output channel): the
     kernel widens the int8 panels in registers; without the kernel, the int8 weight is
-    dequantized per call in fp32 (the portable path: slow, same numbers)."""
+    dequantized per call in fp32 (the portable path: slow, same numbers).
+
+    With `reduce` (row parallel), each rank holds some input columns and the ranks' outputs
+    are summed in place."""
 
     packed: Optional[torch.Tensor]
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 reduce: Optional["ParallelGroup"] = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        self.reduce = reduce
         self.register_buffer("packed", None, persistent=False)
         self.packed_bias: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None  # int8: per output channel, fp32
@@ -175,6 +164,10 @@ class Linear(nn.Linear):
         self.weight = None  # a tied LM head's embedding keeps its own reference
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        y = self._local(x, out_dtype)
+        return y if self.reduce is None else self.reduce.all_reduce(y)
+
+    def _local(self, x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
         if self.packed is not None:
             return kernels.linear_bf16(x, self.packed, self.packed_bias, self.out_features,
                                        out_dtype or x.dtype, self.scale)
@@ -210,7 +203,8 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend,
+                 group: Optional["ParallelGroup"] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = \
             spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -218,7 +212,7 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = MergedLinear(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                      bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias, reduce=group)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.backend = backend
@@ -238,13 +232,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, group: Optional["ParallelGroup"] = None) -> None:
         super().__init__()
         if spec.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {spec.hidden_act!r}; supported: silu")
         self.gate_up_proj = MergedLinear(spec.hidden_size, [spec.intermediate_size] * 2,
                                          bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False,
+                                reduce=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -255,10 +250,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend,
+                 group: Optional["ParallelGroup"] = None) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, backend)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, backend, group)
+        self.mlp = MLP(spec, group)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -273,13 +269,35 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+class VocabEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds a range of the
+    vocabulary, looks up the ids in it, and the all-reduce fills in the others' rows."""
+
+    def __init__(self, shard: Shard, group: Optional["ParallelGroup"]) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.local_vocab, shard.full.hidden_size))
+        self.start, self.end = shard.vocab_range
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden[outside] = 0
+        return self.group.all_reduce(hidden)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, shard: Shard, backend: AttentionBackend,
+                 group: Optional["ParallelGroup"] = None) -> None:
+        super().__init__()
+        spec = shard.local_spec
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       spec.rope_theta, spec.rope_scaling)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend)
+        self.embed_tokens = VocabEmbedding(shard, group)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, group)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.native: Optional[NativeStack] = None  # set once the weights are packed
@@ -297,13 +315,19 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder with its LM head; computes logits only for the rows the caller selects."""
+    """A decoder with its LM head; computes logits only for the rows the caller selects.
 
-    def __init__(self, spec: DecoderSpec, backend: AttentionBackend) -> None:
+    `spec` is the whole model's shape; given a `group`, this rank builds its share of it
+    (`self.spec` is then the share's shape: its heads, KV heads and MLP width)."""
+
+    def __init__(self, spec: DecoderSpec, backend: AttentionBackend,
+                 group: Optional["ParallelGroup"] = None) -> None:
         super().__init__()
-        self.spec = spec
-        self.model = DecoderModel(spec, backend)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.shard = Shard(group.rank, group.world_size, spec) if group else Shard(0, 1, spec)
+        self.spec = self.shard.local_spec
+        self.group = group
+        self.model = DecoderModel(self.shard, backend, group)
+        self.lm_head = Linear(spec.hidden_size, self.shard.local_vocab, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -312,7 +336,11 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, torch.float32)
+        """fp32 logits of `hidden`'s rows; every rank of a group must call it alike."""
+        logits = self.lm_head(hidden, torch.float32)
+        if self.group is None:
+            return logits
+        return self.group.all_gather(logits)[:, :self.spec.vocab_size]
 
     def pack_weights(self, quantization: Optional[str] = None) -> None:
         """Give every linear layer the fastest weight layout for this device and dtype;
@@ -321,11 +349,13 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(quantization if module is not self.lm_head else None)
-        self.model.native = NativeStack.for_model(self.model,
-                                                  self.model.layers[0].self_attn.backend)
+        if self.group is None:  # the native stack has no collectives between its layers
+            self.model.native = NativeStack.for_model(self.model,
+                                                      self.model.layers[0].self_attn.backend)
 
     def load_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters (this
+        rank's slice of each: a tensor may be a lazy safetensors slice)."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -336,6 +366,7 @@ class DecoderForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            tensor = self.shard.slice(name, tensor)
             if shard is None:
                 _copy_checked(params[target], tensor, name)
             else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from fulcrum.models.layers import DecoderForCausalLM, DecoderSpec
+from fulcrum.models.layers import DecoderForCausalLM
+from fulcrum.models.spec import DecoderSpec
 
 
 def rope_settings(cfg: Dict[str, Any]):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from fulcrum.models.layers import DecoderForCausalLM, DecoderSpec
+from fulcrum.models.layers import DecoderForCausalLM
+from fulcrum.models.spec import DecoderSpec
 from fulcrum.models.llama import decoder_spec
 
 

@@ -1,0 +1,69 @@
+"""Tensor parallelism on one machine: the other ranks in processes spawned by the engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import weakref
+from typing import List, Optional, Sequence
+
+import torch
+
+from fulcrum.distributed.group import connect
+from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
+from fulcrum.executor.parallel import ParallelExecutor, describe_dead
+from fulcrum.worker import Worker, WorkerConfig
+
+LOCALHOST = "127.0.0.1"
+STOP_TIMEOUT_S = 10.0
+
+
+def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
+             cores: Optional[Sequence[int]]) -> None:
+    """A spawned rank's whole life: pin, join the group, build its share, follow."""
+    if cores:
+        pin_to_cores(cores)
+    group = connect(rank, world_size, LOCALHOST, port,
+                    torch.device("cuda", rank) if wc.device == "cuda" else torch.device("cpu"),
+                    host=LOCALHOST, same_host=True)
+    Worker(wc, group).follow_driver()
+
+
+class MultiprocExecutor(ParallelExecutor):
+    def __init__(self, wc: WorkerConfig) -> None:
+        world = wc.config.tensor_parallel_size
+        cores = split_cores(world) if wc.device == "cpu" else [None] * world
+        port = free_port(LOCALHOST)
+        context = multiprocessing.get_context("spawn")  # forking a process with threads is unsafe
+        self._procs = [context.Process(target=run_rank, args=(wc, rank, world, port, cores[rank]),
+                                       name=f"fulcrum-tp-rank{rank}", daemon=True)
+                       for rank in range(1, world)]
+        super().__init__()
+        for process in self._procs:
+            process.start()
+        self._finalizer = weakref.finalize(self, _stop, self._procs, 0.0)
+        try:
+            self._pin_driver(cores[0])
+            group = connect(0, world, LOCALHOST, port,
+                            torch.device("cuda", 0) if wc.device == "cuda" else torch.device("cpu"),
+                            host=LOCALHOST, same_host=True)
+            self._start_driver(wc, group)
+        except BaseException as error:
+            self._failed = error
+            self.shutdown()
+            raise
+
+    def _dead_ranks(self) -> str:
+        return describe_dead([f"rank {rank} (exit code {p.exitcode})"
+                              for rank, p in enumerate(self._procs, 1) if not p.is_alive()])
+
+    def _stop_ranks(self) -> None:
+        self._finalizer.detach()
+        _stop(self._procs, 0.0 if self._failed else STOP_TIMEOUT_S)
+
+
+def _stop(procs: List[multiprocessing.Process], grace_s: float) -> None:
+    for process in procs:
+        process.join(grace_s if process.is_alive() else 0)
+        if process.is_alive():
+            process.terminate()
+            process.join(STOP_TIMEOUT_S)

@@ -1,0 +1,87 @@
+"""The driver's side of tensor parallelism, whatever launched the other ranks.
+
+Each step the driver broadcasts a `StepInput` (a few lists of ints: the chunks' tokens and
+the blocks allocated since the last step) and runs its own share of the forward pass; every
+rank's collectives pair up because every rank runs the same layers on the same rows. A rank
+that fails breaks that pairing for good, so any failure here is an `ExecutorError`: the
+engine stops rather than run on with ranks out of step.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from typing import List, Optional, Sequence
+
+import torch
+
+from fulcrum.distributed.group import ParallelGroup
+from fulcrum.distributed.launch import pin_to_cores
+from fulcrum.executor.base import Executor, ExecutorError
+from fulcrum.model_runner import StepResult
+from fulcrum.scheduler import SchedulerOutput
+from fulcrum.worker import StepInputBuilder, Worker, WorkerConfig
+
+
+class ParallelExecutor(Executor):
+    group: ParallelGroup
+
+    def __init__(self) -> None:
+        self._failed: Optional[BaseException] = None
+        self._closed = False
+        self._saved_pin: Optional[tuple] = None
+        self._steps = StepInputBuilder()
+
+    def _start_driver(self, wc: WorkerConfig, group: ParallelGroup) -> None:
+        self.group = group
+        self.driver = Worker(wc, group)
+
+    def _pin_driver(self, cores: Optional[Sequence[int]]) -> None:
+        """Run the driver's thread (and the threads it starts) on its share of the cores;
+        undone at shutdown, since the driver's process is the caller's."""
+        if cores:
+            self._saved_pin = (os.sched_getaffinity(0), torch.get_num_threads())
+            pin_to_cores(cores)
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        if self._failed is not None:
+            raise ExecutorError(f"tensor parallelism stopped after a failure: {self._failed!r}")
+        dead = self._dead_ranks()
+        if dead:
+            self._failed = ExecutorError(dead)
+            raise self._failed
+        try:
+            step = self._steps.build(output)
+            if step is not None:
+                self.group.broadcast_object(step)
+            return self.driver.runner.execute(output)
+        except Exception as error:
+            self._failed = error
+            raise ExecutorError(f"a tensor-parallel step failed: {error!r}") from error
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is None and not self._dead_ranks():
+            try:
+                self.group.broadcast_object(None)
+            except Exception:  # noqa: BLE001 - the ranks are stopped below either way
+                pass
+        self._stop_ranks()
+        if self._saved_pin is not None:
+            affinity, threads = self._saved_pin
+            os.sched_setaffinity(0, affinity)
+            torch.set_num_threads(threads)
+
+    @abstractmethod
+    def _dead_ranks(self) -> str:
+        """A description of the ranks that are gone ('' when all are alive)."""
+
+    @abstractmethod
+    def _stop_ranks(self) -> None:
+        """Wait a little for the ranks to finish (none after a failure), then end them."""
+
+
+def describe_dead(ranks: List[str]) -> str:
+    return "" if not ranks else f"tensor-parallel {', '.join(ranks)} stopped"

@@ -1,0 +1,52 @@
+"""Tensor parallelism under torchrun (vLLM's "external_launcher"): torchrun starts one process
+per rank and each runs the caller's script. Rank 0's engine drives; on the other ranks,
+building the engine serves rank 0 as a worker until rank 0 shuts down, then exits the process
+(their script goes no further than the LLM(...) or `fulcrum serve` call)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fulcrum.distributed.group import connect
+from fulcrum.distributed.launch import split_cores
+from fulcrum.executor.parallel import ParallelExecutor
+from fulcrum.worker import Worker, WorkerConfig
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(f"distributed_executor_backend='external_launcher' runs under "
+                           f"torchrun, which sets ${name}; it is not set")
+    return value
+
+
+class TorchrunExecutor(ParallelExecutor):
+    def __init__(self, wc: WorkerConfig) -> None:
+        super().__init__()
+        rank, world = int(_env("RANK")), int(_env("WORLD_SIZE"))
+        if world != wc.config.tensor_parallel_size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is "
+                             f"{wc.config.tensor_parallel_size}")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cpu = wc.device == "cpu"
+        device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self._pin_driver(split_cores(local_world)[local_rank] if cpu else None)
+        group = connect(rank, world, _env("MASTER_ADDR"), int(_env("MASTER_PORT")), device,
+                        host=_env("MASTER_ADDR") if local_world == world else None,
+                        is_master=rank == 0 and not agent_store,
+                        same_host=local_world == world)
+        if rank > 0:
+            Worker(wc, group).follow_driver()
+            raise SystemExit(0)
+        self._start_driver(wc, group)
+
+    def _dead_ranks(self) -> str:
+        return ""  # torchrun's processes: a dead one shows as a failed collective
+
+    def _stop_ranks(self) -> None:
+        pass  # they exit once they receive the shutdown message

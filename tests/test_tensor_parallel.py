@@ -1,0 +1,174 @@
+"""Tensor parallelism: every architecture's greedy tokens at TP=2 (and TP=4, with KV heads
+replicated) equal TP=1's in float32; the per-step messages; a rank that dies stops the
+engine with an error instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fulcrum import LLM, SamplingParams
+from fulcrum.executor import ExecutorError
+from fulcrum.models.sharding import Shard
+from fulcrum.models.spec import DecoderSpec
+from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
+from fulcrum.worker import StepInputBuilder
+
+pytestmark = pytest.mark.timeout(300)  # a rank out of step must fail, not hang
+
+# A long prompt split into chunks beside short ones, with a shared prefix (prefix cache).
+PROMPTS = [list(range(3, 140)), [5, 6, 7, 8], list(range(3, 40)) + [9, 9], [300, 2, 77]]
+KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 20,
+          max_num_batched_tokens=64, scheduling_policy="fcfs", enable_prefix_caching=True)
+
+
+def _generate(llm: LLM, logprobs: int = 0):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            logprobs=logprobs or None)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def _check_same(model_dir, tp: int, **extra) -> None:
+    single = _generate(LLM(str(model_dir), **KW), logprobs=2)
+    split = LLM(str(model_dir), tensor_parallel_size=tp, **KW, **extra)
+    try:
+        assert split.llm_engine.executor.group.world_size == tp
+        parallel = _generate(split, logprobs=2)
+        for one, many in zip(single, parallel):
+            assert many.outputs[0].token_ids == one.outputs[0].token_ids
+            for a, b in zip(one.outputs[0].logprobs, many.outputs[0].logprobs):
+                assert set(a) == set(b)
+                for token in a:
+                    assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+        assert split.llm_engine.block_manager.num_free_blocks == \
+            split.llm_engine.block_manager.num_blocks - 1  # nothing leaked
+    finally:
+        split.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tp2_tokens_equal_tp1(model_dirs, arch):
+    _check_same(model_dirs[arch], 2)
+
+
+def test_tp2_stories260k_equals_tp1(stories_dir):
+    _check_same(stories_dir, 2)
+
+
+def test_tp4_replicates_kv_heads(model_dirs):
+    # 4 query heads, 2 KV heads: each KV head is held by two ranks.
+    _check_same(model_dirs["qwen2"], 4)
+
+
+def test_tp2_bf16_runs_the_kernels(model_dirs):
+    kw = {**KW, "dtype": "bfloat16"}
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **{k: v for k, v in kw.items()})
+    try:
+        out = _generate(llm)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+        assert llm.llm_engine.runner.model.model.native is None  # no collectives inside it
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        process = engine.executor._procs[0]
+        process.kill()
+        process.join(10)
+        with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped"):
+            engine.step()
+        with pytest.raises(ExecutorError, match="stopped"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_shard_checks_and_vocab_padding():
+    spec = DecoderSpec(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=1, rms_norm_eps=1e-6,
+                       rope_theta=1e4, rope_scaling=None, max_position_embeddings=8,
+                       tie_word_embeddings=True, o_proj_bias=True)
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        Shard(0, 3, spec)
+    with pytest.raises(ValueError, match=r"MLP width \(6\)"):
+        Shard(0, 4, spec)
+    table = torch.arange(40.0).view(10, 4)
+    last = Shard(1, 2, spec)
+    assert last.vocab_range == (5, 10) and last.local_vocab == 5
+    assert torch.equal(last.slice("model.embed_tokens.weight", table), table[5:])
+    spec3 = DecoderSpec(**{**spec.__dict__, "intermediate_size": 4, "num_heads": 4})
+    end = Shard(3, 4, spec3)  # 3 rows each: rows 9, then two rows of zeros
+    assert end.local_vocab == 3
+    assert torch.equal(end.slice("lm_head.weight", table),
+                       torch.cat([table[9:], torch.zeros(2, 4)]))
+    # 2 KV heads over 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1.
+    k = torch.arange(2.0).view(2, 1)
+    assert [Shard(r, 4, spec3).slice("layers.0.self_attn.k_proj.weight", k).item()
+            for r in range(4)] == [0.0, 0.0, 1.0, 1.0]
+    bias = torch.ones(4)
+    assert torch.equal(Shard(0, 4, spec3).slice("layers.0.self_attn.o_proj.bias", bias), bias)
+    assert not Shard(2, 4, spec3).slice("layers.0.self_attn.o_proj.bias", bias).any()
+    o = torch.arange(8.0).view(2, 4)
+    assert torch.equal(Shard(1, 2, spec3).slice("layers.0.self_attn.o_proj.weight", o), o[:, 2:])
+
+
+def _chunk(request_id, tokens, start, table):
+    return ScheduledChunk(request_id, tokens, start, table, None)
+
+
+def test_step_inputs_send_only_new_blocks():
+    builder = StepInputBuilder()
+    first = builder.build(SchedulerOutput([_chunk("a", [1, 2, 3], 0, [4, 5]),
+                                           _chunk("b", [7], 9, [6])], 3, 1, [], []))
+    # Decodes first (the runner's row order); every block is new.
+    assert [(c.request_id, c.new_blocks) for c in first.chunks] == [("b", [6]), ("a", [4, 5])]
+    second = builder.build(SchedulerOutput([_chunk("a", [8], 3, [4, 5, 9]),
+                                            _chunk("b", [2], 10, [6])], 0, 2, [], []))
+    assert [c.new_blocks for c in second.chunks] == [[9], []]
+    # b is preempted: the ranks drop its table; when it runs again, it is sent whole.
+    assert builder.build(SchedulerOutput([], 0, 0, ["b"], [])) is None
+    third = builder.build(SchedulerOutput([_chunk("b", [7, 2], 0, [11])], 2, 0, [], ["a"]))
+    assert third.dropped == ["b", "a"] and third.chunks[0].new_blocks == [11]
+    tables = {"a": [4, 5, 9], "b": [6]}
+    third.apply_to(tables)
+    assert tables == {"b": [11]} and third.chunks[0].block_table == [11]
+
+
+def test_tp2_on_ray_actors_equals_tp1(stories_dir):
+    pytest.importorskip("ray")
+    _check_same(stories_dir, 2, distributed_executor_backend="ray")
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from fulcrum import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+          dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 20)
+out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in out]))
+llm.llm_engine.shutdown()
+"""
+
+
+def test_tp2_under_torchrun_equals_tp1(stories_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(script), str(stories_dir), json.dumps(PROMPTS)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1  # rank 0 alone returns from generate; rank 1 served it and exited
+    single = _generate(LLM(str(stories_dir), **{**KW, "max_num_batched_tokens": None}))
+    assert json.loads(lines[0][7:]) == [o.outputs[0].token_ids for o in single]
