@@ -172,3 +172,42 @@ def test_tp2_under_torchrun_equals_tp1(stories_dir, tmp_path):
     assert len(lines) == 1  # rank 0 alone returns from generate; rank 1 served it and exited
     single = _generate(LLM(str(stories_dir), **{**KW, "max_num_batched_tokens": None}))
     assert json.loads(lines[0][7:]) == [o.outputs[0].token_ids for o in single]
+
+
+def _collectives_rank(rank: int, port: int, results) -> None:
+    from fulcrum.distributed.group import connect
+
+    group = connect(rank, 2, "127.0.0.1", port, torch.device("cpu"), host="127.0.0.1",
+                    same_host=True)
+    assert group.shm is not None
+    sums = []
+    for round_ in range(300):  # many rounds: the two alternating slots must never mix
+        x = torch.full((5,), float(rank + round_ % 50), dtype=torch.bfloat16 if round_ % 2 else
+                       torch.float32)
+        sums.append(group.all_reduce(x)[0].item())
+    gathered = group.all_gather(torch.full((2, 3), float(rank)))
+    big = group.all_reduce(torch.ones(3 << 20))  # over the shared slot: gloo instead
+    results.put((rank, sums, gathered.tolist(), big[0].item()))
+
+
+def test_shared_memory_collectives_across_processes():
+    import multiprocessing
+
+    from fulcrum.distributed.launch import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_collectives_rank, args=(rank, port, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((rank, rest) for rank, *rest in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    expected = [float(2 * (r % 50) + 1) for r in range(300)]
+    for rank in range(2):
+        sums, gathered, big = got[rank]
+        assert sums == expected
+        assert gathered == [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 2
+        assert big == 2.0
