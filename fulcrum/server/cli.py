@@ -76,6 +76,16 @@ def register(subparsers) -> None:
     server.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=True,
                         help="serve the chat playground and live scheduler dashboard at / "
                              "(default on; --no-web-ui: API only)")
+    server.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                        help="N whole engines (replicas), each with its share of the cores, "
+                             "behind this one server's router (vLLM's flag; default 1)")
+    server.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                        help="replicas as spawned processes (mp, default) or Ray actors, "
+                             "possibly on other machines of $RAY_ADDRESS's cluster")
+    server.add_argument("--router-policy", default="cache_aware",
+                        choices=["cache_aware", "round_robin"],
+                        help="with replicas: send a request where its prompt's prefix was "
+                             "served (while loads stay balanced), or in turn")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info: one line per request)")
@@ -104,6 +114,10 @@ def api_keys(args: argparse.Namespace) -> List[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        return run_router(args)
     from fulcrum.async_engine import AsyncLLM
     from fulcrum.server.api_server import build_app, serve
     from fulcrum.tokenizer import Tokenizer
@@ -122,3 +136,19 @@ def run(args: argparse.Namespace) -> int:
         return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         async_llm.shutdown()
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from fulcrum.server.replicas import start_replicas
+    from fulcrum.server.router import build_router_app
+
+    replicas = start_replicas(args, args.data_parallel_size, args.data_parallel_backend)
+    try:
+        app = build_router_app(replicas.replicas, args.router_policy,
+                               args.max_request_body_bytes, cors_options(args))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        return 0
+    finally:
+        replicas.stop()

@@ -1,0 +1,176 @@
+"""Data-parallel replicas: whole engines, each a `fulcrum serve` of its own on a loopback port
+(or on another machine's address, as Ray actors), with its own share of the cores and its
+own threads. The router (router.py) is their one front door.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import httpx
+
+from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 15.0
+
+
+def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
+                 cores: Optional[Sequence[int]]) -> argparse.Namespace:
+    """The `fulcrum serve` arguments of replica `index`: the router's, on its own port."""
+    mine = copy.copy(args)
+    mine.host, mine.port = host, port
+    mine.data_parallel_size = 1
+    mine.allowed_origins = None  # browsers talk to the router
+    mine.cores = list(cores) if cores else None
+    return mine
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    """A replica's whole life (in its own process): pin, then serve until stopped."""
+    from fulcrum.server.cli import run
+
+    if args.cores:
+        pin_to_cores(args.cores)
+    return run(args)
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    handle: Any  # a multiprocessing.Process, or a Ray actor's run() reference
+    in_flight: int = 0
+    served: int = 0
+    error: Optional[str] = None  # why it is out of service
+
+    def process_error(self) -> Optional[str]:
+        """Why its process ended, if it has."""
+        process = self.handle
+        if isinstance(process, multiprocessing.process.BaseProcess):
+            return None if process.is_alive() else f"exit code {process.exitcode}"
+        import ray
+
+        ended, _ = ray.wait([process], timeout=0)
+        if not ended:
+            return None
+        try:
+            ray.get(process)
+            return "it stopped"
+        except Exception as error:  # noqa: BLE001 - the replica's end, reported
+            return f"{type(error).__name__}: {error}"
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class ReplicaSet:
+    replicas: List[Replica]
+    actors: List[Any] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            handle = replica.handle
+            if isinstance(handle, multiprocessing.process.BaseProcess):
+                if handle.is_alive():
+                    handle.terminate()  # SIGTERM: the replica drains, then exits
+        for replica in self.replicas:
+            handle = replica.handle
+            if isinstance(handle, multiprocessing.process.BaseProcess):
+                handle.join(STOP_TIMEOUT_S)
+                if handle.is_alive():
+                    handle.kill()
+        if self.actors:
+            import ray
+
+            for actor in self.actors:
+                ray.kill(actor)
+
+
+def start_replicas(args: argparse.Namespace, count: int, backend: str) -> ReplicaSet:
+    """Start `count` replicas and wait until each answers /health."""
+    replicas = _start_ray(args, count) if backend == "ray" else _start_processes(args, count)
+    try:
+        for replica in replicas.replicas:
+            _wait_ready(replica)
+    except BaseException:
+        replicas.stop()
+        raise
+    return replicas
+
+
+def _start_processes(args: argparse.Namespace, count: int) -> ReplicaSet:
+    context = multiprocessing.get_context("spawn")
+    replicas = []
+    for index, cores in enumerate(split_cores(count)):
+        port = free_port()
+        process = context.Process(target=run_replica, name=f"fulcrum-dp-replica{index}",
+                                  args=(replica_args(args, index, "127.0.0.1", port, cores),),
+                                  daemon=True)
+        process.start()
+        replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
+    return ReplicaSet(replicas)
+
+
+class ReplicaActor:
+    """A replica as a Ray actor: its server runs in the actor's process, on its node."""
+
+    def place(self) -> tuple:
+        """(this node's address, a port free on it)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def serve(self, args: argparse.Namespace) -> int:
+        return run_replica(args)
+
+
+def _start_ray(args: argparse.Namespace, count: int) -> ReplicaSet:
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError("--data-parallel-backend ray needs Ray: pip install 'fulcrum[ray]'"
+                          ) from error
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=True)
+    here = ray.util.get_node_ip_address()
+    shares = split_cores(count)
+    actor_class = ray.remote(ReplicaActor)
+    actors = [actor_class.options(num_cpus=len(shares[i])).remote() for i in range(count)]
+    replicas = []
+    places = ray.get([actor.place.remote() for actor in actors])
+    for index, (actor, (ip, port)) in enumerate(zip(actors, places)):
+        local = ip == here
+        host = "127.0.0.1" if local else "0.0.0.0"  # another machine's: the router must reach it
+        run = actor.serve.remote(replica_args(args, index, host, port,
+                                              shares[index] if local else None))
+        replicas.append(Replica(index, f"http://{'127.0.0.1' if local else ip}:{port}", run))
+    return ReplicaSet(replicas, actors)
+
+
+def _wait_ready(replica: Replica) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        ended = replica.process_error()
+        if ended is not None:
+            raise RuntimeError(f"data-parallel replica {replica.index} failed to start "
+                               f"({ended}); see its log above")
+        try:
+            if httpx.get(f"{replica.url}/health", timeout=2.0).status_code == 200:
+                logger.info("replica %d ready at %s", replica.index, replica.url)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"data-parallel replica {replica.index} did not start within "
+                       f"{START_TIMEOUT_S:.0f} s")

@@ -1,0 +1,257 @@
+"""`fulcrum serve --data-parallel-size N`: one OpenAI endpoint in front of N replicas.
+
+Each completion goes to one replica, chosen by a policy:
+- cache_aware (default; SGLang router's rule): while the replicas' loads (requests in
+  flight through the router: running + waiting) stay within `balance_abs` of each other,
+  a request goes to the replica that served the longest prefix of its text recently, if that
+  covers more than `cache_threshold` of it (so repeated prefixes meet their cached blocks),
+  else to the least loaded; once loads drift apart, to the least loaded.
+- round_robin: in turn (for comparison).
+Everything else (/v1/models, /tokenize, ...) goes to any healthy replica; /metrics merges
+the replicas' series (each labelled with its `engine` index, as vLLM's are) with the
+router's own; /health lists the replicas. A replica that dies is taken out of service: the
+requests it had fail with an error (a 502, or an error event in a stream), the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.server.middleware import BodyGuard, error_response
+from fulcrum.server.prefix_tree import PrefixTree
+from fulcrum.server.replicas import Replica
+from fulcrum.server.serving import APIError
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("cache_aware", "round_robin")
+CACHE_THRESHOLD = 0.5  # SGLang's defaults
+BALANCE_ABS = 32
+MONITOR_INTERVAL_S = 0.5
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+class RoutingPolicy:
+    def __init__(self, name: str, replicas: List[Replica]) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {name!r}")
+        self.name, self.replicas = name, replicas
+        self.tree = PrefixTree()
+        self._turn = itertools.count()
+
+    def pick(self, text: Optional[str]) -> Replica:
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            raise APIError(503, "no data-parallel replica is in service")
+        if self.name == "round_robin" or text is None:
+            choice = healthy[next(self._turn) % len(healthy)]
+            choice.served += 1
+            return choice
+        least = min(healthy, key=lambda r: (r.in_flight, r.served, r.index))
+        most = max(r.in_flight for r in healthy)
+        choice = least
+        if most - least.in_flight <= BALANCE_ABS and text:
+            matched = self.tree.match(text)
+            best = max(healthy, key=lambda r: (matched.get(r.index, 0), -r.in_flight))
+            if matched.get(best.index, 0) > CACHE_THRESHOLD * len(text):
+                choice = best
+        self.tree.insert(text, choice.index)
+        choice.served += 1
+        return choice
+
+    def take_out(self, replica: Replica, reason: str) -> None:
+        if replica.error is None:
+            replica.error = reason
+            self.tree.forget(replica.index)
+            logger.error("data-parallel replica %d is out of service: %s", replica.index, reason)
+
+
+def routing_text(path: str, body: bytes) -> Optional[str]:
+    """What a request's cacheable prefix is made of: the prompt, or the chat messages in
+    order (a conversation's next turn extends the text of its last one)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if path.endswith("/chat/completions"):
+        messages = data.get("messages")
+        return json.dumps(messages, sort_keys=True)[:-1] if isinstance(messages, list) else None
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]  # several prompts: route by the first
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)[:-1]
+
+
+class RouterMetrics:
+    def __init__(self, replicas: List[Replica]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("fulcrum:router_requests", "Requests the router sent to each "
+                                "replica", ["engine"], registry=self.registry)
+        self.up = Gauge("fulcrum:router_replica_up", "1 while a replica is in service",
+                        ["engine"], registry=self.registry)
+        self.in_flight = Gauge("fulcrum:router_requests_in_flight", "Requests the router has "
+                               "open at each replica", ["engine"], registry=self.registry)
+        self.replicas = replicas
+
+    def render(self, replica_texts: Dict[int, str]) -> bytes:
+        for replica in self.replicas:
+            self.up.labels(engine=str(replica.index)).set(float(replica.healthy))
+            self.in_flight.labels(engine=str(replica.index)).set(replica.in_flight)
+        merged = CollectorRegistry()
+        merged.register(_Merged(replica_texts))
+        return generate_latest(self.registry) + generate_latest(merged)
+
+
+class _Merged:
+    """The replicas' families, each family once, with every replica's samples."""
+
+    def __init__(self, texts: Dict[int, str]) -> None:
+        self.texts = texts
+
+    def collect(self):
+        families: Dict[str, Any] = {}
+        for index, text in sorted(self.texts.items()):
+            for family in text_string_to_metric_families(text):
+                family.samples = [s._replace(labels={**s.labels, "engine": str(index)})
+                                  for s in family.samples]
+                kept = families.setdefault(family.name, family)
+                if kept is not family:
+                    kept.samples.extend(family.samples)
+        return iter(families.values())
+
+
+def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
+                     max_request_body_bytes: int = 16 << 20,
+                     cors: Optional[Dict[str, Any]] = None) -> FastAPI:
+    """The router's app; `cors`: CORSMiddleware's keywords (None: no CORS headers)."""
+    routing = RoutingPolicy(policy, replicas)
+    metrics = RouterMetrics(replicas)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        monitor = asyncio.ensure_future(_monitor(routing))
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="fulcrum router", lifespan=lifespan)
+    app.state.routing = routing
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError):
+        return error_response(error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        states = [{"engine": r.index, "healthy": r.healthy, "in_flight": r.in_flight,
+                   **({"error": r.error} if r.error else {})} for r in replicas]
+        ok = any(r.healthy for r in replicas)
+        return JSONResponse({"replicas": states}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        texts = {}
+        for replica in [r for r in replicas if r.healthy]:
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await client.get(f"{replica.url}/metrics", timeout=10.0)
+                texts[replica.index] = answer.text
+        return Response(metrics.render(texts), media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/v1/completions", methods=["POST"])
+    @app.api_route("/v1/chat/completions", methods=["POST"])
+    async def completion(request: Request) -> Response:
+        body = await request.body()
+        replica = routing.pick(routing_text(request.url.path, body))
+        metrics.requests.labels(engine=str(replica.index)).inc()
+        return await _forward(client, routing, replica, request, body)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def anything_else(path: str, request: Request) -> Response:
+        # The first replica in service answers (the dashboard's polls see one engine).
+        replica = next((r for r in replicas if r.healthy), None)
+        if replica is None:
+            raise APIError(503, "no data-parallel replica is in service")
+        return await _forward(client, routing, replica, request, await request.body())
+
+    app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
+    return app
+
+
+async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: Replica,
+                   request: Request, body: bytes) -> Response:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    outgoing = client.build_request(request.method, f"{replica.url}{request.url.path}",
+                                    params=request.query_params, headers=headers, content=body)
+    replica.in_flight += 1
+    try:
+        answer = await client.send(outgoing, stream=True)
+    except httpx.HTTPError as error:
+        replica.in_flight -= 1
+        _check(routing, replica)
+        return error_response(APIError(502, f"data-parallel replica {replica.index} failed: "
+                                            f"{type(error).__name__}"))
+    kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
+    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+        return StreamingResponse(_relay(routing, replica, answer), status_code=answer.status_code,
+                                 headers=kept)
+    try:
+        content = await answer.aread()
+    except httpx.HTTPError as error:
+        _check(routing, replica)
+        return error_response(APIError(502, f"data-parallel replica {replica.index} failed "
+                                            f"mid-answer: {type(error).__name__}"))
+    finally:
+        replica.in_flight -= 1
+        await answer.aclose()
+    return Response(content, status_code=answer.status_code, headers=kept)
+
+
+async def _relay(routing: RoutingPolicy, replica: Replica,
+                 answer: httpx.Response) -> AsyncIterator[bytes]:
+    """A replica's event stream, passed through; if the replica fails mid-stream, an error
+    event and the end of the stream (a client never waits on a dead replica)."""
+    try:
+        async for piece in answer.aiter_raw():
+            yield piece
+    except httpx.HTTPError as error:
+        _check(routing, replica)
+        failure = APIError(502, f"data-parallel replica {replica.index} failed mid-stream: "
+                                f"{type(error).__name__}")
+        yield f"data: {failure.body().model_dump_json()}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        replica.in_flight -= 1
+        await answer.aclose()
+
+
+def _check(routing: RoutingPolicy, replica: Replica) -> None:
+    ended = replica.process_error()
+    if ended is not None:
+        routing.take_out(replica, ended)
+
+
+async def _monitor(routing: RoutingPolicy) -> None:
+    """Take replicas whose process ended out of service, even while no request is routed."""
+    while True:
+        for replica in routing.replicas:
+            if replica.healthy:
+                _check(routing, replica)
+        await asyncio.sleep(MONITOR_INTERVAL_S)

@@ -1,0 +1,124 @@
+"""Data-parallel replicas behind the router: both replicas serve, a repeated prompt goes to
+the replica that cached it, /metrics labels each replica's series, and a replica killed
+mid-run fails its requests with an error while the server serves on."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import httpx
+import pytest
+
+from fulcrum.cli import build_parser
+from fulcrum.server import BackgroundServer
+from fulcrum.server.prefix_tree import PrefixTree
+from fulcrum.server.replicas import start_replicas
+from fulcrum.server.router import build_router_app, routing_text
+
+pytestmark = pytest.mark.timeout(300)
+
+LONG = "Once upon a time there was a little dog who liked to run in the park. " * 3
+
+
+@pytest.fixture(scope="module")
+def dp_server(stories_dir):
+    args = build_parser().parse_args(["serve", str(stories_dir), "--served-model-name", "m",
+                                      "--kv-cache-memory-bytes", str(4 << 20),
+                                      "--uvicorn-log-level", "warning"])
+    replicas = start_replicas(args, 2, "mp")
+    try:
+        with BackgroundServer(build_router_app(replicas.replicas)) as server:
+            yield server, replicas.replicas
+    finally:
+        replicas.stop()
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def _metric(text: str, name: str, engine: int) -> float:
+    found = re.search(rf'^{re.escape(name)}{{[^}}]*engine="{engine}"[^}}]*}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_both_replicas_serve_and_a_repeated_prefix_meets_its_cache(dp_server):
+    server, replicas = dp_server
+    prompts = [f"Story {i}: " + "the cat sat " * (i + 1) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: _complete(server.url, p), prompts))
+    assert all(a.status_code == 200 for a in answers)
+    served = [r.served for r in replicas]
+    assert all(count >= 2 for count in served), served
+    # The long prompt, then the same long prompt with a new ending: same replica, cache hit.
+    before = [r.served for r in replicas]
+    assert _complete(server.url, LONG).status_code == 200
+    first = [i for i, r in enumerate(replicas) if r.served > before[i]][0]
+    hits_before = _metric(httpx.get(f"{server.url}/metrics").text,
+                          "fulcrum:prefix_cache_hits_total", first)
+    for ending in ("The end.", "And then it rained."):
+        assert _complete(server.url, LONG + ending).status_code == 200
+    assert replicas[first].served == before[first] + 3
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert _metric(metrics, "fulcrum:prefix_cache_hits_total", first) >= hits_before + 2 * 48
+    assert _metric(metrics, "fulcrum:router_requests_total", first) >= 3
+    assert metrics.count("# TYPE fulcrum:num_requests_running gauge") == 1  # merged families
+
+
+def test_errors_pass_through_the_router(dp_server):
+    server, _ = dp_server
+    bad = _complete(server.url, "hi", max_tokens=-1)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+    broken = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
+                        headers={"content-type": "application/json"})
+    assert broken.status_code == 400
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_a_killed_replica_fails_its_requests_and_the_server_serves_on(dp_server):
+    server, replicas = dp_server
+    text = "Lily had a red ball. " * 4
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+            "model": "m", "prompt": text, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as stream:
+        lines = stream.iter_lines()
+        events = [next(lines) for _ in range(3)]
+        assert events[0].startswith("data: ")
+        target = next(r for r in replicas if r.in_flight > 0)
+        target.handle.kill()
+        rest = list(lines)
+    errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {\"error\"")]
+    assert errors and "failed mid-stream" in errors[0]["error"]["message"]
+    assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]"
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200
+    states = {s["engine"]: s for s in health.json()["replicas"]}
+    assert states[target.index]["healthy"] is False and "exit code" in states[target.index]["error"]
+    for prompt in ("After the rain", text):
+        assert _complete(server.url, prompt).status_code == 200
+    assert 'fulcrum:router_replica_up{engine="%d"} 0.0' % target.index in \
+        httpx.get(f"{server.url}/metrics").text
+
+
+def test_routing_text_and_prefix_tree():
+    assert routing_text("/v1/completions", b'{"prompt": "abc"}') == "abc"
+    assert routing_text("/v1/completions", b'{"prompt": ["x", "y"]}') == "x"
+    chat1 = routing_text("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}]}).encode())
+    chat2 = routing_text("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                          "content": "yo"}]}).encode())
+    assert chat2.startswith(chat1)
+    assert routing_text("/v1/completions", b"[1, 2") is None
+    tree = PrefixTree(max_chars=30)
+    tree.insert("hello world", 0)
+    tree.insert("hello there", 1)
+    assert tree.match("hello world!") == {0: 11, 1: 6}
+    assert tree.match("help") == {0: 3, 1: 3}
+    tree.insert("z" * 20, 1)  # over 30 characters: the least recently used leaf goes
+    assert tree.num_chars <= 30 and tree.match("hello world") == {0: 6, 1: 6}
+    tree.forget(1)
+    assert tree.match("zzz") == {}
