@@ -4,8 +4,10 @@ engine with an error instead of hanging."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
+from conftest import running_server
 
 from fulcrum import LLM, SamplingParams
 from fulcrum.executor import ExecutorError
@@ -24,22 +26,33 @@ KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 20,
 
 def _generate(llm: LLM, logprobs: int = 0):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                            logprobs=logprobs or None)
+                            logprobs=logprobs or None, prompt_logprobs=logprobs or None)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
+def _same_logprobs(expected, got) -> None:
+    for a, b in zip(expected, got):
+        if a is None:
+            assert b is None
+            continue
+        assert set(a) == set(b)
+        for token in a:
+            assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+
+
 def _check_same(model_dir, tp: int, **extra) -> None:
-    single = _generate(LLM(str(model_dir), **KW), logprobs=2)
-    split = LLM(str(model_dir), tensor_parallel_size=tp, **KW, **extra)
+    settings = {**KW, **extra}
+    single = _generate(LLM(str(model_dir), **{k: v for k, v in settings.items()
+                                              if k != "distributed_executor_backend"}),
+                       logprobs=2)
+    split = LLM(str(model_dir), tensor_parallel_size=tp, **settings)
     try:
         assert split.llm_engine.executor.group.world_size == tp
         parallel = _generate(split, logprobs=2)
         for one, many in zip(single, parallel):
             assert many.outputs[0].token_ids == one.outputs[0].token_ids
-            for a, b in zip(one.outputs[0].logprobs, many.outputs[0].logprobs):
-                assert set(a) == set(b)
-                for token in a:
-                    assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+            _same_logprobs(one.outputs[0].logprobs, many.outputs[0].logprobs)
+            _same_logprobs(one.prompt_logprobs, many.prompt_logprobs)
         assert split.llm_engine.block_manager.num_free_blocks == \
             split.llm_engine.block_manager.num_blocks - 1  # nothing leaked
     finally:
@@ -53,6 +66,13 @@ def test_tp2_tokens_equal_tp1(model_dirs, arch):
 
 def test_tp2_stories260k_equals_tp1(stories_dir):
     _check_same(stories_dir, 2)
+
+
+def test_tp2_under_preemption_equals_tp1(model_dirs):
+    # 20 blocks of 16 tokens for ~250 tokens of context at once: requests are preempted and
+    # resume with new blocks, which the other rank must learn of (its tables start over).
+    _check_same(model_dirs["llama"], 2, num_gpu_blocks_override=20, kv_cache_memory_bytes=None,
+                enable_prefix_caching=False)
 
 
 def test_tp4_replicates_kv_heads(model_dirs):
@@ -211,3 +231,17 @@ def test_shared_memory_collectives_across_processes():
         assert sums == expected
         assert gathered == [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 2
         assert big == 2.0
+
+
+def test_server_with_a_dead_rank_answers_errors_and_turns_unhealthy(model_dirs):
+    with running_server(model_dirs["llama"], tensor_parallel_size=2, dtype="float32",
+                        max_model_len=256, kv_cache_memory_bytes=1 << 20) as (server, llm):
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        process = llm.engine.executor._procs[0]
+        process.kill()
+        process.join(10)
+        failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert failed.status_code in (500, 503)
+        assert "rank 1" in failed.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503

@@ -36,6 +36,7 @@ def register(subparsers) -> None:
     _register_stress(commands)
     _register_module_command(commands, "structured")
     _register_module_command(commands, "latency")
+    _register_module_command(commands, "scale")
 
 
 def _register_serve(commands) -> None:
@@ -139,6 +140,12 @@ _MODULE_COMMANDS = {
                    "Decode a batch in-process unconstrained and under a JSON schema, runs "
                    "alternating; report the median step time of each and the difference. "
                    "Writes structured_outputs.json and structured_outputs.md."),
+    "scale": ("fulcrum.bench.scale", "add_args", "run_scale",
+              "tensor parallel, data-parallel replicas and cache-aware routing, each against "
+              "its baseline",
+              "Serve each variant in turn (fresh servers, alternating): -tp 2 vs one rank, -dp 2 "
+              "vs one engine, cache-aware vs round-robin routing on shared prefixes. Writes "
+              "scale.json and scale.md."),
 }
 
 

@@ -48,6 +48,7 @@ GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
 STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"
                    / "structured_outputs.json")
 LATENCY_JSON = REPO / "benchmarks" / "results" / "latency" / "latency.json"
+SCALE_JSON = REPO / "benchmarks" / "results" / "scale" / "scale.json"
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -415,6 +416,11 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
 
         lines += latency_summary(json.loads(LATENCY_JSON.read_text()), LATENCY_JSON,
                                  md_path.resolve().parent)
+    if SCALE_JSON.exists():
+        from fulcrum.bench.scale import summary as scale_summary
+
+        lines += scale_summary(json.loads(SCALE_JSON.read_text()), SCALE_JSON,
+                               md_path.resolve().parent)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
 

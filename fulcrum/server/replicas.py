@@ -9,6 +9,9 @@ import argparse
 import copy
 import logging
 import multiprocessing
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -35,12 +38,22 @@ def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
 
 
 def run_replica(args: argparse.Namespace) -> int:
-    """A replica's whole life (in its own process): pin, then serve until stopped."""
+    """A replica's whole life (in its own process): pin, then serve until stopped, or until
+    the router's process is gone (a replica never outlives its router)."""
     from fulcrum.server.cli import run
 
     if args.cores:
         pin_to_cores(args.cores)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
+                     name="fulcrum-replica-watch").start()
     return run(args)
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)  # drain and exit as on any shutdown
 
 
 @dataclass
@@ -114,9 +127,9 @@ def _start_processes(args: argparse.Namespace, count: int) -> ReplicaSet:
     replicas = []
     for index, cores in enumerate(split_cores(count)):
         port = free_port()
+        # Not a daemon: a replica may start processes of its own (tensor-parallel ranks).
         process = context.Process(target=run_replica, name=f"fulcrum-dp-replica{index}",
-                                  args=(replica_args(args, index, "127.0.0.1", port, cores),),
-                                  daemon=True)
+                                  args=(replica_args(args, index, "127.0.0.1", port, cores),))
         process.start()
         replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
     return ReplicaSet(replicas)
