@@ -39,13 +39,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fulcrum.block_manager import BlockManager
+from fulcrum.core.block_manager import BlockManager
 from fulcrum.config import EngineConfig
-from fulcrum.request import Request, SloTargets
-from fulcrum.sampler import SampledToken
+from fulcrum.core.request import Request, SloTargets
+from fulcrum.outputs import SampledToken
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.scheduler import Scheduler, SchedulerOutput
-from fulcrum.step_time_model import StepShape, StepTimeModel
+from fulcrum.core.scheduler import Scheduler, SchedulerOutput
+from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGET_US = 1000.0  # issue 9: under 1 ms a step at 256 running requests

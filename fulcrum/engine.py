@@ -18,24 +18,24 @@ from typing import (TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional,
 
 import torch
 
-from fulcrum.block_manager import BlockManager
+from fulcrum.core.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.generation_config import load_generation_defaults
 from fulcrum.executor import ExecutorError, make_executor
-from fulcrum.model_loader import load_hf_config, resolve_dtype
+from fulcrum.worker.model_loader import load_hf_config, resolve_dtype
 from fulcrum.models import model_class
 from fulcrum.models.sharding import Shard
-from fulcrum.model_runner import ModelRunner, StepResult
+from fulcrum.worker.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
-from fulcrum.request import Request, RequestStatus, SloTargets
+from fulcrum.core.request import Request, RequestStatus, SloTargets
 from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from fulcrum.scheduler import Scheduler
+from fulcrum.core.scheduler import Scheduler
 from fulcrum.stats import FinishedRequest, StepStats
-from fulcrum.step_time_model import StepTimeModel
+from fulcrum.core.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
-from fulcrum.worker import WorkerConfig
+from fulcrum.worker.worker import WorkerConfig
 
 if TYPE_CHECKING:
     from fulcrum.structured_output import GrammarCompiler

@@ -63,7 +63,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fulcrum.outputs import RequestOutput
-from fulcrum.request import RequestMetrics
+from fulcrum.core.request import RequestMetrics
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.stats import StepReport, StepStats
 

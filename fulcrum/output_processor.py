@@ -13,8 +13,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.outputs import CompletionOutput, RequestOutput
-from fulcrum.request import Request, RequestStatus
-from fulcrum.sampler import Logprob, SampledToken
+from fulcrum.core.request import Request, RequestStatus
+from fulcrum.outputs import Logprob, SampledToken
 from fulcrum.sampling_params import RequestOutputKind
 from fulcrum.tokenizer import Tokenizer
 

@@ -5,8 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
-from fulcrum.request import RequestMetrics
-from fulcrum.sampler import Logprob
+from fulcrum.core.request import RequestMetrics
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # token id -> Logprob for the sampled token and the top `logprobs` alternatives.
+    logprobs: Optional[Dict[int, Logprob]] = None
+
 
 SampleLogprobs = List[Dict[int, Logprob]]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fulcrum import LLM, SamplingParams, kernels
-from fulcrum.attention import CpuVarlenAttentionBackend
+from fulcrum.models.attention import CpuVarlenAttentionBackend
 from fulcrum.default_model import write_byte_level_tokenizer
 
 pytestmark = pytest.mark.skipif(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.block_manager import BlockManager
-from fulcrum.request import Request
+from fulcrum.core.block_manager import BlockManager
+from fulcrum.core.request import Request
 from fulcrum.sampling_params import SamplingParams
 
 BS = 4
@@ -354,7 +354,7 @@ def test_block_keys_are_sha256_chained_over_the_whole_prefix(kv):
     import hashlib
     from array import array
 
-    from fulcrum.block_manager import root_key
+    from fulcrum.core.block_manager import root_key
 
     request = make_request("a", range(9))
     admit(kv, request)

@@ -13,7 +13,7 @@ from conftest import running_server
 from fulcrum import LLM, SamplingParams
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.output_processor import OutputProcessor
-from fulcrum.sampler import Sampler
+from fulcrum.worker.sampler import Sampler
 from test_bad_input import assert_all_blocks_free, run_to_completion
 
 PROMPTS = {"a": list(range(1, 30)), "b": [5, 6, 7, 8, 9, 10], "c": list(range(40, 75))}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fulcrum import LLM
-from fulcrum.sampler import Sampler, SamplingRow, _inverse_cdf
+from fulcrum.core.request import SamplingRow
+from fulcrum.worker.sampler import Sampler, _inverse_cdf
 from fulcrum.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -7,12 +7,12 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from fulcrum.block_manager import BlockManager
+from fulcrum.core.block_manager import BlockManager
 from fulcrum.config import EngineConfig
-from fulcrum.request import Request, RequestStatus
-from fulcrum.sampler import SampledToken
+from fulcrum.core.request import Request, RequestStatus
+from fulcrum.outputs import SampledToken
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.scheduler import Scheduler, SchedulerOutput
+from fulcrum.core.scheduler import Scheduler, SchedulerOutput
 
 MODEL_MAX_LEN = 256
 SAMPLED_TOKEN = 1  # never a stop token here: requests end by max_tokens

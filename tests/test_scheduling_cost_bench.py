@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.scheduling_policy import StepTimeLimit
+from fulcrum.core.scheduling_policy import StepTimeLimit
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduling_cost.py"
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import running_server
 from fulcrum.stats import StepReport
 from fulcrum.outputs import CompletionOutput, RequestOutput
-from fulcrum.request import RequestMetrics, SloTargets
+from fulcrum.core.request import RequestMetrics, SloTargets
 from fulcrum.metrics import slo_results, token_buckets
 from fulcrum.server.metrics import ServerMetrics
 from fulcrum.stats import StepStats

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fulcrum import LLM, SamplingParams
-from fulcrum.request import RequestStatus, SloTargets
-from fulcrum.scheduling_policy import (PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR,
+from fulcrum.core.request import RequestStatus, SloTargets
+from fulcrum.core.scheduling_policy import (PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR,
                                        SLO_MAX_BANKED_STEPS)
-from fulcrum.step_time_model import StepShape, StepTimeModel
+from fulcrum.core.step_time_model import StepShape, StepTimeModel
 from test_scheduler import Sim, chunk_of
 from test_step_time_model import train, truth
 
@@ -190,7 +190,7 @@ def test_steps_keep_to_what_the_decodes_allow_and_nothing_starves(workload):
 def test_priority_aging_serves_a_low_priority_request_among_a_stream_of_urgent_ones(
         aging, monkeypatch):
     if not aging:
-        monkeypatch.setattr("fulcrum.scheduling_policy.PRIORITY_AGING_S", math.inf)
+        monkeypatch.setattr("fulcrum.core.scheduling_policy.PRIORITY_AGING_S", math.inf)
     sim = Sim(scheduling_policy="priority", max_num_seqs=1, tick=1.0)
     sim.add("low", 8, max_tokens=1, priority=5)
     served_at = None

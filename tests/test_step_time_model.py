@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from fulcrum.step_time_model import StepShape, StepTimeModel
+from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 # A plausible CPU: 4 ms a step, 0.9 ms a prompt token, 0.2 ms a decode token, attention
 # work and sequences on top.

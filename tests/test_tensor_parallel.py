@@ -13,8 +13,8 @@ from fulcrum import LLM, SamplingParams
 from fulcrum.executor import ExecutorError
 from fulcrum.models.sharding import Shard
 from fulcrum.models.spec import DecoderSpec
-from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
-from fulcrum.worker import StepInputBuilder
+from fulcrum.core.scheduler import ScheduledChunk, SchedulerOutput
+from fulcrum.worker.worker import StepInputBuilder
 
 pytestmark = pytest.mark.timeout(300)  # a rank out of step must fail, not hang
 

@@ -12,7 +12,8 @@ import torch
 
 from conftest import running_server
 from fulcrum import LLM, SamplingParams
-from fulcrum.sampler import Sampler, SamplingRow
+from fulcrum.core.request import SamplingRow
+from fulcrum.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
 PROMPT = list(range(5, 45))  # 40 tokens

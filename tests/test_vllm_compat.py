@@ -250,7 +250,7 @@ def test_no_cors_headers_unless_asked(tuned_server):
 
 
 def test_stats_line():
-    from fulcrum.scheduler import SchedulerStats
+    from fulcrum.core.scheduler import SchedulerStats
     from fulcrum.server.metrics import stats_line
 
     idle = SchedulerStats(0, 0, 0, 0, 0, 100, 0.0, 0, 0)

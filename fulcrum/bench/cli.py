@@ -304,7 +304,7 @@ def _compare_hf(args: argparse.Namespace, model_dir: str, name: str, kwargs: Dic
     from fulcrum.bench.hf_baseline import measure_hf
     from fulcrum.bench.throughput import measure_fulcrum, run_isolated, write_comparison
     from fulcrum.engine import resolve_device
-    from fulcrum.model_loader import load_hf_config, resolve_dtype
+    from fulcrum.worker.model_loader import load_hf_config, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, load_hf_config(model_dir))
     device = str(resolve_device(args.device))

@@ -4,7 +4,7 @@ in spawned processes, Ray actors or torchrun's processes)."""
 from __future__ import annotations
 
 from fulcrum.executor.base import Executor, ExecutorError
-from fulcrum.worker import WorkerConfig
+from fulcrum.worker.worker import WorkerConfig
 
 BACKENDS = ("uni", "mp", "ray", "external_launcher")
 

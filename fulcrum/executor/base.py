@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from fulcrum.model_runner import ModelRunner, StepResult
-from fulcrum.scheduler import SchedulerOutput
-from fulcrum.worker import Worker
+from fulcrum.worker.model_runner import ModelRunner, StepResult
+from fulcrum.core.scheduler import SchedulerOutput
+from fulcrum.worker.worker import Worker
 
 
 class ExecutorError(RuntimeError):

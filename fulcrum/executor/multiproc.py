@@ -11,7 +11,7 @@ import torch
 from fulcrum.distributed.group import connect
 from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
 from fulcrum.executor.parallel import ParallelExecutor, describe_dead
-from fulcrum.worker import Worker, WorkerConfig
+from fulcrum.worker.worker import Worker, WorkerConfig
 
 LOCALHOST = "127.0.0.1"
 STOP_TIMEOUT_S = 10.0

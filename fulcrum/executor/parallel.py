@@ -18,9 +18,9 @@ import torch
 from fulcrum.distributed.group import ParallelGroup
 from fulcrum.distributed.launch import pin_to_cores
 from fulcrum.executor.base import Executor, ExecutorError
-from fulcrum.model_runner import StepResult
-from fulcrum.scheduler import SchedulerOutput
-from fulcrum.worker import StepInputBuilder, Worker, WorkerConfig
+from fulcrum.worker.model_runner import StepResult
+from fulcrum.core.scheduler import SchedulerOutput
+from fulcrum.worker.worker import StepInputBuilder, Worker, WorkerConfig
 
 
 class ParallelExecutor(Executor):

@@ -12,7 +12,7 @@ import torch
 from fulcrum.distributed.group import connect
 from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
 from fulcrum.executor.parallel import ParallelExecutor, describe_dead
-from fulcrum.worker import Worker, WorkerConfig
+from fulcrum.worker.worker import Worker, WorkerConfig
 
 PLACEMENT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0

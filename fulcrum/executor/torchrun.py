@@ -12,7 +12,7 @@ import torch
 from fulcrum.distributed.group import connect
 from fulcrum.distributed.launch import split_cores
 from fulcrum.executor.parallel import ParallelExecutor
-from fulcrum.worker import Worker, WorkerConfig
+from fulcrum.worker.worker import Worker, WorkerConfig
 
 
 def _env(name: str) -> str:

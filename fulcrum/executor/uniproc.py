@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fulcrum.executor.base import Executor
-from fulcrum.model_runner import StepResult
-from fulcrum.scheduler import SchedulerOutput
-from fulcrum.worker import Worker, WorkerConfig
+from fulcrum.worker.model_runner import StepResult
+from fulcrum.core.scheduler import SchedulerOutput
+from fulcrum.worker.worker import Worker, WorkerConfig
 
 
 class UniprocExecutor(Executor):

@@ -21,7 +21,7 @@ from fulcrum import kernels
 from fulcrum.models.native_stack import NativeStack
 from fulcrum.models.sharding import Shard
 from fulcrum.models.spec import DecoderSpec
-from fulcrum.attention import AttentionBackend, AttentionMetadata
+from fulcrum.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup

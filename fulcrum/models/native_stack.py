@@ -94,7 +94,7 @@ class NativeStack:
     @classmethod
     def for_model(cls, model: Any, backend: Any) -> Optional["NativeStack"]:
         """A NativeStack if every piece of `model` (a DecoderModel) has its kernel, else None."""
-        from fulcrum.attention import CpuVarlenAttentionBackend
+        from fulcrum.models.attention import CpuVarlenAttentionBackend
 
         layers = model.layers
         linears = [m for layer in layers for m in (

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from fulcrum.async_engine import AsyncLLM
 from fulcrum.metrics import EngineMetrics
-from fulcrum.scheduler import SchedulerStats
+from fulcrum.core.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
-from fulcrum.sampler import Logprob
+from fulcrum.outputs import Logprob
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server import tool_calls
 from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from fulcrum.attention import AttentionBackend
+from fulcrum.models.attention import AttentionBackend
 from fulcrum.config import EngineConfig
 from fulcrum.models.layers import KVCache
 from fulcrum.models.spec import DecoderSpec

@@ -19,11 +19,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from fulcrum.attention import AttentionBackend, AttentionMetadata, PrefillSpan
-from fulcrum.kv_cache import NULL_BLOCK
+from fulcrum.models.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from fulcrum.worker.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
-from fulcrum.sampler import Logprob, SampledToken, Sampler, SamplingRow, logprob_entries
-from fulcrum.scheduler import ScheduledChunk, SchedulerOutput
+from fulcrum.core.request import SamplingRow
+from fulcrum.outputs import Logprob, SampledToken
+from fulcrum.worker.sampler import Sampler, logprob_entries
+from fulcrum.core.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 # Prompt logprobs take the whole vocabulary's logits of every position: this many at a time.

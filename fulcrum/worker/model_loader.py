@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from fulcrum.attention import AttentionBackend
+from fulcrum.models.attention import AttentionBackend
 from fulcrum.models import model_class
 from fulcrum.models.layers import STACKED_PARAMS, DecoderForCausalLM, MergedLinear
 

@@ -15,12 +15,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
-from fulcrum.block_manager import BlockManager
+from fulcrum.core.block_manager import BlockManager
 from fulcrum.config import EngineConfig
-from fulcrum.request import Request, RequestStatus
-from fulcrum.sampler import SampledToken, SamplingRow
-from fulcrum.scheduling_policy import PrefillLimit, make_policy
-from fulcrum.step_time_model import StepShape, StepTimeModel
+from fulcrum.core.request import Request, RequestStatus
+from fulcrum.core.request import SamplingRow
+from fulcrum.outputs import SampledToken
+from fulcrum.core.scheduling_policy import PrefillLimit, make_policy
+from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 
 @dataclass(slots=True)

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from fulcrum.attention import make_backend
+from fulcrum.models.attention import make_backend
 from fulcrum.config import EngineConfig
-from fulcrum.kv_cache import allocate_kv_caches, num_kv_blocks
-from fulcrum.model_loader import load_model
-from fulcrum.model_runner import ChunkInput, ModelRunner, step_order
+from fulcrum.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from fulcrum.worker.model_loader import load_model
+from fulcrum.worker.model_runner import ChunkInput, ModelRunner, step_order
 from fulcrum.models import model_class
 from fulcrum.models.sharding import Shard
-from fulcrum.scheduler import SchedulerOutput
+from fulcrum.core.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup

@@ -11,42 +11,12 @@ from its own generator, so its tokens do not depend on what else is in the batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-from fulcrum.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from fulcrum.structured_output import RequestGrammar
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one request in the batch."""
-
-    request_id: str
-    params: SamplingParams
-    all_token_ids: List[int]
-    num_prompt_tokens: int
-    stop_token_ids: List[int] = field(default_factory=list)
-    grammar: Optional["RequestGrammar"] = None  # tokens it forbids are never sampled
-    bad_words_token_ids: List[List[int]] = field(default_factory=list)  # params.bad_words
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int
-    decoded_token: Optional[str] = None
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    # token id -> Logprob for the sampled token and the top `logprobs` alternatives.
-    logprobs: Optional[Dict[int, Logprob]] = None
+from fulcrum.core.request import SamplingRow
+from fulcrum.outputs import Logprob, SampledToken
 
 
 class Sampler:

@@ -16,8 +16,20 @@ from typing import TYPE_CHECKING, List, Optional, Set
 from fulcrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from fulcrum.sampler import SamplingRow
     from fulcrum.structured_output import RequestGrammar
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request in the batch."""
+
+    request_id: str
+    params: SamplingParams
+    all_token_ids: List[int]
+    num_prompt_tokens: int
+    stop_token_ids: List[int] = field(default_factory=list)
+    grammar: Optional["RequestGrammar"] = None  # tokens it forbids are never sampled
+    bad_words_token_ids: List[List[int]] = field(default_factory=list)  # params.bad_words
 
 
 class RequestStatus(enum.Enum):

@@ -15,8 +15,8 @@ import operator
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fulcrum.config import EngineConfig
-from fulcrum.request import Request
-from fulcrum.step_time_model import StepShape, StepTimeModel
+from fulcrum.core.request import Request
+from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 SortKey = Tuple
 # priority: a waiting request gains one priority level for every this many seconds it waits.

@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Collection, Dict, List, Optional, Sequence, Set
 
-from fulcrum.request import Request
+from fulcrum.core.request import Request
 
 # A block's name: SHA-256 over its parent's name and its token ids, so a name stands for the
 # whole prefix up to the block's end. Python's hash() would do for correctness against honest
