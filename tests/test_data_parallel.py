@@ -122,3 +122,20 @@ def test_routing_text_and_prefix_tree():
     assert tree.num_chars <= 30 and tree.match("hello world") == {0: 6, 1: 6}
     tree.forget(1)
     assert tree.match("zzz") == {}
+
+
+def test_replicas_as_ray_actors(stories_dir):
+    ray = pytest.importorskip("ray")
+    args = build_parser().parse_args(["serve", str(stories_dir), "--served-model-name", "m",
+                                      "--kv-cache-memory-bytes", str(4 << 20),
+                                      "--uvicorn-log-level", "warning"])
+    replicas = start_replicas(args, 2, "ray")
+    try:
+        with BackgroundServer(build_router_app(replicas.replicas, "round_robin")) as server:
+            texts = [_complete(server.url, "Once upon a time", max_tokens=6).json()
+                     ["choices"][0]["text"] for _ in range(2)]
+            assert texts[0] == texts[1] and texts[0]  # the same greedy answer from each
+            assert [r.served for r in replicas.replicas] == [1, 1]
+    finally:
+        replicas.stop()
+    assert not ray.is_initialized()  # the local Ray started for the replicas is stopped

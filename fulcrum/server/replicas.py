@@ -90,6 +90,7 @@ class Replica:
 class ReplicaSet:
     replicas: List[Replica]
     actors: List[Any] = field(default_factory=list)
+    owns_ray: bool = False  # Ray was started for these replicas: stop it with them
 
     def stop(self) -> None:
         for replica in self.replicas:
@@ -108,6 +109,8 @@ class ReplicaSet:
 
             for actor in self.actors:
                 ray.kill(actor)
+            if self.owns_ray:
+                ray.shutdown()
 
 
 def start_replicas(args: argparse.Namespace, count: int, backend: str) -> ReplicaSet:
@@ -154,7 +157,8 @@ def _start_ray(args: argparse.Namespace, count: int) -> ReplicaSet:
     except ImportError as error:
         raise ImportError("--data-parallel-backend ray needs Ray: pip install 'fulcrum[ray]'"
                           ) from error
-    if not ray.is_initialized():
+    owns_ray = not ray.is_initialized()
+    if owns_ray:  # $RAY_ADDRESS's cluster if set, else a local one
         ray.init(include_dashboard=False, log_to_driver=True)
     here = ray.util.get_node_ip_address()
     shares = split_cores(count)
@@ -168,7 +172,7 @@ def _start_ray(args: argparse.Namespace, count: int) -> ReplicaSet:
         run = actor.serve.remote(replica_args(args, index, host, port,
                                               shares[index] if local else None))
         replicas.append(Replica(index, f"http://{'127.0.0.1' if local else ip}:{port}", run))
-    return ReplicaSet(replicas, actors)
+    return ReplicaSet(replicas, actors, owns_ray)
 
 
 def _wait_ready(replica: Replica) -> None:
