@@ -96,6 +96,17 @@ def test_tpot_is_a_mean_a_request_ahead_of_pace_lends_the_step_its_banked_time()
     assert policy.step_allowance(request) == pytest.approx(0.1)
 
 
+def test_a_request_late_for_its_first_token_no_longer_holds_steps_back():
+    sim = slo_sim()
+    on_time = add(sim, "on-time", 40, ttft=10.0, tpot=0.1, max_tokens=50)
+    late = add(sim, "late", 40, ttft=0.001, tpot=0.1, max_tokens=50)
+    clocked_step(sim)  # both prompts: their first tokens, one within its target, one not
+    policy = sim.sched.policy
+    policy.now = sim.now + 5.0  # both far behind their pace
+    assert policy.step_allowance(on_time) == pytest.approx(0.1)
+    assert policy.step_allowance(late) == pytest.approx(SLO_MAX_BANKED_STEPS * 0.1)
+
+
 @pytest.mark.parametrize("tpot", [0.05, math.inf])
 def test_a_prompt_finishing_in_a_step_is_delayed_by_one_tpot_target_at_most(tpot):
     sim = slo_sim()

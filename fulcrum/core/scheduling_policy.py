@@ -212,11 +212,19 @@ class SloPolicy(FcfsPolicy):
         vLLM's benchmarks and goodput read it: the mean time per output token after the first.
         Its n-th token after the first is due n targets after the first token; a request
         ahead of that pace may wait longer than one target for its next token (at most
-        SLO_MAX_BANKED_STEPS targets), one behind it gets one target."""
+        SLO_MAX_BANKED_STEPS targets), one behind it gets one target.
+
+        A request whose first token came after its TTFT target cannot meet its targets
+        whatever its pace from now on: like a prompt that will miss its deadline anyway, it
+        no longer holds the others back, and gets the loosest allowance (its stream still
+        moves, never more than SLO_MAX_BANKED_STEPS targets between tokens). Under overload
+        that lets prompts that can still make their deadlines into the steps."""
         metrics = request.metrics
         target, first = metrics.slo.tpot_s, metrics.first_token_time
         if first is None or target == math.inf:
             return target
+        if first - request.arrival_time > metrics.slo.ttft_s:
+            return SLO_MAX_BANKED_STEPS * target
         due = first + (len(request.all_token_ids) - request.num_prompt_tokens) * target
         return min(max(due - self.now, target), SLO_MAX_BANKED_STEPS * target)
 
