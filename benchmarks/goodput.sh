@@ -4,4 +4,4 @@
 # for ~20 min. Writes benchmarks/results/goodput/goodput.{md,json,png}; extra flags pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-fulcrum bench goodput --rates 1,2,3,4 --num-prompts 40 "$@"
+fulcrum bench goodput --rates 2,4,6,8 --num-prompts 40 "$@"
