@@ -10,18 +10,27 @@ one is still reading. Every rank sums in rank order, so all get bit-identical re
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
+from fulcrum import kernels
+
 SLOT_BYTES = 8 << 20  # larger tensors go through gloo
 SPINS_BEFORE_YIELD = 200
 FLAGS_BYTES = 4096
+
+
+class _ShmGroup(ctypes.Structure):  # kernels/shm_collectives.cpp's ShmGroup
+    _fields_ = [("ready", ctypes.c_void_p), ("done", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
+                ("seq", ctypes.c_void_p), ("rank", ctypes.c_int32), ("world", ctypes.c_int32)]
 
 
 class SharedMemoryCollectives:
@@ -44,8 +53,23 @@ class SharedMemoryCollectives:
         # Per rank: the sequence number of its latest data, and of the latest it has read.
         self._ready = np.frombuffer(self._map, np.int64, world_size, 0)
         self._done = np.frombuffer(self._map, np.int64, world_size, 8 * world_size)
-        self._seq = 0
+        self._seq = ctypes.c_int64(0)  # the round counter, shared with the native path
         self._views: Dict[torch.dtype, torch.Tensor] = {}
+        # The same protocol in C for bf16 (kernels/shm_collectives.cpp), which the native
+        # decoder stack also calls between its layers.
+        self._library = kernels.shm_collectives()
+        self._group: Optional[_ShmGroup] = None
+        if self._library is not None:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+            self._group = _ShmGroup(base, base + 8 * world_size, base + FLAGS_BYTES, SLOT_BYTES,
+                                    ctypes.addressof(self._seq), rank, world_size)
+
+    def native(self) -> Optional[Tuple[int, int]]:
+        """(the C all-reduce's address, its group argument), for native callers; or None."""
+        if self._group is None:
+            return None
+        function = ctypes.cast(self._library.fulcrum_shm_all_reduce_bf16, ctypes.c_void_p)
+        return function.value, ctypes.addressof(self._group)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= SLOT_BYTES
@@ -61,8 +85,8 @@ class SharedMemoryCollectives:
 
     def _exchange(self, x: torch.Tensor) -> int:
         """Publish x and wait until every rank has published this round's tensor."""
-        self._seq += 1
-        seq = self._seq
+        self._seq.value += 1
+        seq = self._seq.value
         # The slot written now was last read two rounds ago: wait until everyone has.
         self._wait(self._done, seq - 2)
         self._slot(self.rank, seq, x.dtype, x.numel()).copy_(x.reshape(-1))
@@ -78,6 +102,11 @@ class SharedMemoryCollectives:
                 time.sleep(0)  # let other threads (the server's) have the interpreter
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self._group is not None and x.is_contiguous():
+            if self._library.fulcrum_shm_all_reduce_bf16(ctypes.byref(self._group),
+                                                         x.data_ptr(), x.numel()):
+                raise ValueError(f"{x.numel()} values do not fit a shared-memory slot")
+            return x
         seq = self._exchange(x)
         flat = x.view(-1)
         flat.copy_(self._slot(0, seq, x.dtype, x.numel()))

@@ -87,7 +87,8 @@ def _library(name: str) -> Optional[ctypes.CDLL]:
 
 def clear_cache() -> None:
     """Forget loaded kernels, so FULCRUM_DISABLE_KERNELS is read again (tests flip it)."""
-    for cached in (_library, paged_attention, _linear_library, _elementwise_library):
+    for cached in (_library, paged_attention, _linear_library, _elementwise_library,
+                   shm_collectives):
         cached.cache_clear()
 
 
@@ -109,6 +110,16 @@ def paged_attention() -> Optional[ctypes.CDLL]:
         i64 = ctypes.c_int64
         _declare(library, "paged_write_kv_bf16",
                  [pointer, i64, pointer, i64, pointer, pointer, pointer] + [i32] * 4)
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def shm_collectives() -> Optional[ctypes.CDLL]:
+    """The bf16 all-reduce through shared memory (fulcrum/distributed/shm.py's layout)."""
+    library = _library("shm_collectives")
+    if library is not None:
+        _declare(library, "fulcrum_shm_all_reduce_bf16",
+                 [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64])
     return library
 
 

@@ -5,7 +5,9 @@
 // the results are the same bit for bit. What it removes is the Python between the kernels:
 // a decode step of a 30-layer model makes ~360 kernel calls, each with its own wrapper,
 // allocation and ctypes crossing, which cost about as much as streaming the weights at
-// batch 1.
+// batch 1. Under tensor parallelism (a rank's share of the layers), the partial sums of the
+// O and down projections are added across ranks by the all-reduce handed in (shared memory,
+// kernels/shm_collectives.cpp), as the Python layers' row-parallel linears do.
 #include <cstdint>
 #include <cstring>
 
@@ -25,6 +27,7 @@ typedef int (*WriteKvFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, uin
 typedef int (*AttentionFn)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
                            const int64_t*, const int64_t*, uint16_t*, int, int, int, int, int,
                            int, float, int, int);
+typedef int (*AllReduceFn)(const void*, uint16_t*, int64_t);
 
 struct Kernels {
   LinearFn linear;
@@ -34,6 +37,8 @@ struct Kernels {
   RopeFn rope;
   WriteKvFn write_kv;
   AttentionFn attention;
+  AllReduceFn all_reduce;  // null: one rank
+  const void* all_reduce_group;
 };
 
 struct Projection {  // a packed weight (bf16 panels, or int8 ones with per-column scales)
@@ -108,11 +113,13 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
                           s.seq_lens, s.attn, s.num_seqs, d.num_heads, d.num_kv_heads,
                           d.head_dim, d.block_size, d.max_blocks, d.scale, d.window, threads);
     status |= project(k, layer.o, s.attn, T, q_size, H, s.hidden, threads);
+    if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
     status |= k.rms_norm(s.hidden, H, s.residual, layer.post_norm, s.normed, H, T, H, d.eps,
                          threads);
     status |= project(k, layer.gate_up, s.normed, T, H, 2 * d.intermediate, s.gate_up, threads);
     status |= k.silu_mul(s.gate_up, s.act, T, d.intermediate, threads);
     status |= project(k, layer.down, s.act, T, d.intermediate, H, s.hidden, threads);
+    if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
   }
   return status;
 }

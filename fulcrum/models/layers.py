@@ -304,7 +304,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
-        if self.native is not None:
+        if self.native is not None and self.native.fits(hidden.shape[0]):
             hidden, residual = self.native(hidden, positions, kv_caches, meta)
             return self.norm(hidden, residual)[0]
         rope = self.rotary.table(positions, hidden.dtype)
@@ -349,9 +349,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(quantization if module is not self.lm_head else None)
-        if self.group is None:  # the native stack has no collectives between its layers
-            self.model.native = NativeStack.for_model(self.model,
-                                                      self.model.layers[0].self_attn.backend)
+        self.model.native = NativeStack.for_model(
+            self.model, self.model.layers[0].self_attn.backend, self.group)
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters (this

@@ -16,13 +16,15 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from fulcrum import kernels
+from fulcrum.distributed.shm import SLOT_BYTES
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("linear", "linear_int8", "rms_norm", "silu_mul", "rope",
-                                        "write_kv", "attention")]
+                                        "write_kv", "attention", "all_reduce",
+                                        "all_reduce_group")]
 
 
 class _Projection(ctypes.Structure):
@@ -70,7 +72,9 @@ def _projection(linear: Any) -> _Projection:
 class NativeStack:
     """`model`'s layers as one native call; build with `NativeStack.for_model`."""
 
-    def __init__(self, model: Any, library: ctypes.CDLL) -> None:
+    def __init__(self, model: Any, library: ctypes.CDLL,
+                 all_reduce: Optional[Tuple[int, int]] = None) -> None:
+        """`all_reduce`: (the native bf16 all-reduce, its group) under tensor parallelism."""
         spec = model.layers[0].self_attn
         self.model, self.library = model, library
         linear, elementwise, attention = (kernels._linear_library(),
@@ -81,7 +85,8 @@ class NativeStack:
             _entry(elementwise, "fulcrum_rms_norm_bf16"),
             _entry(elementwise, "fulcrum_silu_mul_bf16"), _entry(elementwise, "fulcrum_rope_bf16"),
             _entry(attention, "paged_write_kv_bf16"),
-            _entry(attention, "paged_varlen_attention_bf16"))
+            _entry(attention, "paged_varlen_attention_bf16"), *(all_reduce or (None, None)))
+        self.reduces = all_reduce is not None
         first = model.layers[0]
         self.dims = dict(num_layers=len(model.layers), hidden=first.mlp.down_proj.out_features,
                          num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
@@ -92,8 +97,10 @@ class NativeStack:
         self._caches: Optional[List[int]] = None
 
     @classmethod
-    def for_model(cls, model: Any, backend: Any) -> Optional["NativeStack"]:
-        """A NativeStack if every piece of `model` (a DecoderModel) has its kernel, else None."""
+    def for_model(cls, model: Any, backend: Any,
+                  group: Any = None) -> Optional["NativeStack"]:
+        """A NativeStack if every piece of `model` (a DecoderModel) has its kernel (and, with
+        a tensor-parallel `group`, a native all-reduce between its ranks), else None."""
         from fulcrum.models.attention import CpuVarlenAttentionBackend
 
         layers = model.layers
@@ -105,8 +112,17 @@ class NativeStack:
                 or any(layer.self_attn.q_norm is not None for layer in layers)
                 or model.norm.weight.dtype != torch.bfloat16):
             return None
+        all_reduce = None
+        if group is not None:
+            all_reduce = group.shm.native() if group.shm is not None else None
+            if all_reduce is None:
+                return None
         library = _library()
-        return None if library is None else cls(model, library)
+        return None if library is None else cls(model, library, all_reduce)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a step of `tokens` rows fits (a reduced tensor must fit a shared slot)."""
+        return not self.reduces or tokens * self.dims["hidden"] * 2 <= SLOT_BYTES
 
     def _layer_table(self, kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
         pointers = [t.data_ptr() for cache in kv_caches for t in cache]

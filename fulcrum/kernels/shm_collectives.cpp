@@ -1,0 +1,64 @@
+// All-reduce of bf16 tensors between the tensor-parallel ranks of one machine, through the
+// shared buffer of fulcrum/distributed/shm.py (its layout and protocol, in C so the native
+// decoder stack can reduce between its layers without the interpreter): each rank copies its
+// tensor into its slot, raises its `ready` flag, spins until every rank's flag is up, sums
+// the slots in rank order (each sum rounded to bf16, as torch's bf16 add_ does, so every
+// rank gets the same bits and Python's path the same as this one), then raises `done`.
+// Two slots per rank alternate, so a rank waits for the others to have read a slot before it
+// writes it again.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "bf16.h"
+#include "vector_math.h"
+
+extern "C" {
+
+struct ShmGroup {
+  int64_t* ready;     // [world]: the round whose data each rank has published
+  int64_t* done;      // [world]: the round each rank has finished reading
+  uint8_t* slots;     // [world][2][slot_bytes]
+  int64_t slot_bytes;
+  int64_t* seq;       // this rank's round counter (shared with the Python side)
+  int32_t rank, world;
+};
+
+static void wait_all(const int64_t* flags, int world, int64_t round) {
+  for (int r = 0; r < world; ++r)
+    while (__atomic_load_n(flags + r, __ATOMIC_ACQUIRE) < round) _mm_pause();
+}
+
+static uint16_t* slot(const ShmGroup& g, int rank, int64_t round) {
+  return reinterpret_cast<uint16_t*>(g.slots + (rank * 2 + round % 2) * g.slot_bytes);
+}
+
+// x [n] bf16, summed over the ranks in place. 0 on success, 1 if it does not fit a slot.
+int fulcrum_shm_all_reduce_bf16(const ShmGroup* group, uint16_t* x, int64_t n) {
+  const ShmGroup& g = *group;
+  if (n * 2 > g.slot_bytes) return 1;
+  const int64_t round = ++*g.seq;
+  wait_all(g.done, g.world, round - 2);
+  std::memcpy(slot(g, g.rank, round), x, n * 2);
+  __atomic_store_n(g.ready + g.rank, round, __ATOMIC_RELEASE);
+  wait_all(g.ready, g.world, round);
+  std::memcpy(x, slot(g, 0, round), n * 2);
+  for (int r = 1; r < g.world; ++r) {
+    const uint16_t* other = slot(g, r, round);
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; i < n; i += 16) {
+      const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+      fulcrum::store_bf16(x + i, _mm512_add_ps(fulcrum::load_bf16(x + i, mask),
+                                               fulcrum::load_bf16(other + i, mask)), mask);
+    }
+#endif
+    for (; i < n; ++i)
+      x[i] = fulcrum::float_to_bf16(fulcrum::bf16_to_float(x[i]) + fulcrum::bf16_to_float(other[i]));
+  }
+  __atomic_store_n(g.done + g.rank, round, __ATOMIC_RELEASE);
+  return 0;
+}
+
+}  // extern "C"
