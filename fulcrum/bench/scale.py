@@ -169,11 +169,29 @@ def run_scale(args: argparse.Namespace) -> int:
                       "command": "fulcrum bench scale" + (" --quick" if args.quick else "")
                       + f" --repeats {args.repeats} --parts {' '.join(args.parts)}"},
             "parts": {part: run_part(part, args.repeats, args.quick) for part in args.parts}}
+    data = _merged(out_dir / "scale.json", data)
     (out_dir / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
     md = "\n".join(summary(data, out_dir / "scale.json", out_dir)) + "\n"
     (out_dir / "scale.md").write_text(md)
     print(md)
     return 0
+
+
+def _merged(path: Path, data: Dict[str, Any]) -> Dict[str, Any]:
+    """`data` over the parts an earlier run left in `path` (a run of some parts keeps the
+    others' results, each part with its own date)."""
+    for part in data["parts"].values():
+        part["date"] = data["setup"]["machine"]["date"]
+    if not path.exists():
+        return data
+    earlier = json.loads(path.read_text())
+    if earlier["setup"].get("quick") != data["setup"]["quick"]:
+        return data
+    for name, part in earlier["parts"].items():
+        part.setdefault("date", earlier["setup"]["machine"]["date"])
+        data["parts"].setdefault(name, part)
+    data["parts"] = {name: data["parts"][name] for name in PARTS if name in data["parts"]}
+    return data
 
 
 def _table(part: Dict[str, Any], columns: Sequence[Tuple[str, str, str]]) -> List[str]:
@@ -187,6 +205,10 @@ def _table(part: Dict[str, Any], columns: Sequence[Tuple[str, str, str]]) -> Lis
     return lines
 
 
+def _date(part: Dict[str, Any], setup: Dict[str, Any]) -> str:
+    return part.get("date", setup["machine"]["date"])
+
+
 def _ratio(part: Dict[str, Any], load: str, key: str) -> float:
     first, second = list(part["median"].values())
     return second[load][key] / first[load][key]
@@ -197,17 +219,17 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     setup, parts = data["setup"], data["parts"]
     lines = ["", "## Scale", "",
              f"Servers alternating, {setup['repeats']} runs each, medians; each server fresh "
-             f"and alone on the machine. {setup['machine']['date']}; "
-             f"[raw]({os.path.relpath(json_path, page_dir)}); `{setup['command']}` "
-             "regenerates it."]
+             f"and alone on the machine; [raw]({os.path.relpath(json_path, page_dir)}); "
+             "`fulcrum bench scale --repeats 2` regenerates it (`--parts tp` one part)."]
     if "tp" in parts:
         tp = parts["tp"]
         slower = _ratio(tp, "batch 8", "tpot_ms") > 1
-        lines += ["", f"**Tensor parallel** ({tp['shape']} shape, bfloat16): two ranks, one "
+        lines += ["", f"**Tensor parallel** ({tp['shape']} shape, bfloat16; {_date(tp, setup)}): "
+                  "two ranks, one "
                   "core each, against one rank on both cores. The split halves each rank's "
-                  "matrix work but adds two all-reduces a layer and runs the layers without the "
-                  "single-rank native decoder stack" + (", so on two cores it is slower: "
-                                                        if slower else ": ") +
+                  "weights and matrix work but adds two all-reduces a layer (through shared "
+                  "memory) and a message from the driver to the other rank each step"
+                  + (", so on two cores it is slower: " if slower else ": ") +
                   f"TPOT at batch 1 x{_ratio(tp, 'batch 1', 'tpot_ms'):.2f}, at batch 8 "
                   f"x{_ratio(tp, 'batch 8', 'tpot_ms'):.2f}, a 1,024-token prompt's TTFT "
                   f"x{_ratio(tp, 'prefill 1024', 'ttft_ms'):.2f}. Its point is models larger "
@@ -217,7 +239,8 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
                              ("TTFT 1,024-token prompt (ms)", "prefill 1024", "ttft_ms")])
     if "dp" in parts:
         dp = parts["dp"]
-        lines += ["", f"**Data parallel** ({dp['shape']} shape): two replicas with one core "
+        lines += ["", f"**Data parallel** ({dp['shape']} shape; {_date(dp, setup)}): two "
+                  "replicas with one core "
                   "each behind the router, against one engine on both cores, on the "
                   "throughput workload: total tokens/s "
                   f"x{_ratio(dp, 'throughput', 'total_tokens_per_s'):.2f}.", ""]
@@ -226,7 +249,8 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
                              ("makespan (s)", "throughput", "makespan_s")])
     if "routing" in parts:
         routing, shape = parts["routing"], setup["routing"]
-        lines += ["", f"**Routing** (-dp 2): requests sharing long prefixes "
+        lines += ["", f"**Routing** (-dp 2; {_date(routing, setup)}): requests sharing long "
+                  "prefixes "
                   f"({shape['prefixes']} prefixes of {shape['prefix_len']} tokens x "
                   f"{shape['per_prefix']} requests, each with its own {shape['ending_len']}-token "
                   f"ending, {shape['concurrency']} at a time), round robin against cache-aware: "
