@@ -127,6 +127,31 @@ def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
         engine.shutdown()
 
 
+def test_a_rank_dying_mid_step_fails_the_step_within_the_timeout(model_dirs, monkeypatch):
+    import time
+
+    from fulcrum.distributed import shm
+
+    monkeypatch.setattr(shm, "COLLECTIVE_TIMEOUT_S", 2.0)
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        process = engine.executor._procs[0]
+        process.kill()
+        process.join(10)
+        # As if it died after the driver's check: the driver reaches its collectives alone.
+        monkeypatch.setattr(engine.executor, "_dead_ranks", lambda: "")
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match="did not reach a collective"):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()
+
+
 def test_shard_checks_and_vocab_padding():
     spec = DecoderSpec(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=1, rms_norm_eps=1e-6,
@@ -225,7 +250,9 @@ def _collectives_rank(rank: int, port: int, results) -> None:
         sums.append(group.all_reduce(x)[0].item())
     gathered = group.all_gather(torch.full((2, 3), float(rank)))
     big = group.all_reduce(torch.ones(3 << 20))  # over the shared slot: gloo instead
-    results.put((rank, sums, gathered.tolist(), big[0].item()))
+    messages = [group.broadcast_object({"step": i} if rank == 0 else None) for i in range(5)]
+    huge = group.broadcast_object(b"x" * (9 << 20) if rank == 0 else None)  # gloo's
+    results.put((rank, sums, gathered.tolist(), big[0].item(), messages, len(huge)))
 
 
 def test_shared_memory_collectives_across_processes():
@@ -245,10 +272,11 @@ def test_shared_memory_collectives_across_processes():
         p.join(30)
     expected = [float(2 * (r % 50) + 1) for r in range(300)]
     for rank in range(2):
-        sums, gathered, big = got[rank]
+        sums, gathered, big, messages, huge = got[rank]
         assert sums == expected
         assert gathered == [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 2
         assert big == 2.0
+        assert messages == [{"step": i} for i in range(5)] and huge == 9 << 20
 
 
 def test_server_with_a_dead_rank_answers_errors_and_turns_unhealthy(model_dirs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -27,9 +27,12 @@ DEFAULT_TIMEOUT_S = 600.0
 class ParallelGroup:
     def __init__(self, rank: int, world_size: int, store: "dist.Store", device: torch.device,
                  host: Optional[str], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 prefix: str = "fulcrum", same_host: bool = False) -> None:
+                 prefix: str = "fulcrum", same_host: bool = False,
+                 driver_gone: Callable[[], bool] = lambda: False) -> None:
         """`host`: this rank's address as the others reach it (gloo listens there); None:
-        gloo's choice (the hostname's address, or $GLOO_SOCKET_IFNAME's)."""
+        gloo's choice (the hostname's address, or $GLOO_SOCKET_IFNAME's). `driver_gone`:
+        whether rank 0's process has ended (a rank waiting for its next step then stops)."""
+        self.driver_gone = driver_gone
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -88,7 +91,13 @@ class ParallelGroup:
         return -int(t.item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """The driver's `obj` on every rank (the driver passes it, the others get it)."""
+        """The driver's `obj` on every rank (the driver passes it, the others get it);
+        through shared memory when it fits, else gloo."""
+        if self.shm is not None:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None
+            received = self.shm.broadcast_bytes(data, self.driver_gone)
+            if received is not None:
+                return obj if self.is_driver else pickle.loads(received)
         if self.is_driver:
             data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
             size = torch.tensor([len(data)], dtype=torch.int64)
@@ -103,7 +112,8 @@ class ParallelGroup:
 
 def connect(rank: int, world_size: int, store_host: str, store_port: int,
             device: torch.device, host: Optional[str], timeout_s: float = DEFAULT_TIMEOUT_S,
-            is_master: Optional[bool] = None, same_host: bool = False) -> ParallelGroup:
+            is_master: Optional[bool] = None, same_host: bool = False,
+            driver_gone: Callable[[], bool] = lambda: False) -> ParallelGroup:
     """Join the group whose store listens at store_host:store_port (rank 0 hosts it unless
     told otherwise, as under torchrun, whose agent hosts it). `same_host`: every rank runs
     on this machine (CPU collectives then go through shared memory)."""
@@ -111,4 +121,4 @@ def connect(rank: int, world_size: int, store_host: str, store_port: int,
                           is_master if is_master is not None else rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return ParallelGroup(rank, world_size, store, device, host, timeout_s,
-                         same_host=same_host)
+                         same_host=same_host, driver_gone=driver_gone)

@@ -22,15 +22,23 @@ import torch
 
 from fulcrum import kernels
 
-SLOT_BYTES = 8 << 20  # larger tensors go through gloo
+SLOT_BYTES = 8 << 20  # larger tensors (and messages) go through gloo
 SPINS_BEFORE_YIELD = 200
 FLAGS_BYTES = 4096
+# A rank that has not arrived at a collective within this long is taken for gone (ranks run
+# in lockstep: the wait is normally the others' lag, microseconds to milliseconds).
+COLLECTIVE_TIMEOUT_S = 60.0
+# A rank waiting for the driver's next step (idle for as long as the server is) sleeps
+# between looks at the flag, up to this long.
+IDLE_SLEEP_S = 0.002
+_HEADER = 8  # a message's length (int64; -1: it did not fit and follows over gloo)
 
 
 class _ShmGroup(ctypes.Structure):  # kernels/shm_collectives.cpp's ShmGroup
     _fields_ = [("ready", ctypes.c_void_p), ("done", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-                ("seq", ctypes.c_void_p), ("rank", ctypes.c_int32), ("world", ctypes.c_int32)]
+                ("seq", ctypes.c_void_p), ("rank", ctypes.c_int32), ("world", ctypes.c_int32),
+                ("timeout_s", ctypes.c_double)]
 
 
 class SharedMemoryCollectives:
@@ -62,7 +70,8 @@ class SharedMemoryCollectives:
         if self._library is not None:
             base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
             self._group = _ShmGroup(base, base + 8 * world_size, base + FLAGS_BYTES, SLOT_BYTES,
-                                    ctypes.addressof(self._seq), rank, world_size)
+                                    ctypes.addressof(self._seq), rank, world_size,
+                                    COLLECTIVE_TIMEOUT_S)
 
     def native(self) -> Optional[Tuple[int, int]]:
         """(the C all-reduce's address, its group argument), for native callers; or None."""
@@ -95,17 +104,60 @@ class SharedMemoryCollectives:
         return seq
 
     def _wait(self, flags: np.ndarray, seq: int) -> None:
-        spins = 0
+        spins, deadline = 0, None
         while flags.min() < seq:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 time.sleep(0)  # let other threads (the server's) have the interpreter
+                deadline = deadline or time.monotonic() + COLLECTIVE_TIMEOUT_S
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a tensor-parallel rank did not reach a collective "
+                                       f"within {COLLECTIVE_TIMEOUT_S:.0f} s")
+
+    def broadcast_bytes(self, data: Optional[bytes],
+                        give_up: Callable[[], bool] = lambda: False) -> Optional[bytes]:
+        """Rank 0's `data` on every rank, through rank 0's slot; None where it did not fit
+        (the caller then sends it over gloo). The other ranks may wait here between steps
+        for as long as the driver is idle: they sleep between looks, and stop waiting with
+        an error once `give_up()` says the driver is gone."""
+        self._seq.value += 1
+        seq = self._seq.value
+        flat = self._slot(0, seq, torch.uint8, SLOT_BYTES).numpy()
+        if self.rank == 0:
+            self._wait(self._done, seq - 2)
+            fits = len(data) <= SLOT_BYTES - _HEADER
+            flat[:_HEADER] = np.frombuffer(np.int64(len(data) if fits else -1).tobytes(),
+                                           np.uint8)
+            if fits:
+                flat[_HEADER:_HEADER + len(data)] = np.frombuffer(data, np.uint8)
+            self._ready[0] = seq
+            self._done[0] = seq
+            return data if fits else None
+        self._wait_for_driver(seq, give_up)
+        size = int(flat[:_HEADER].view(np.int64)[0])
+        received = None if size < 0 else flat[_HEADER:_HEADER + size].tobytes()
+        self._done[self.rank] = seq
+        return received
+
+    def _wait_for_driver(self, seq: int, give_up: Callable[[], bool]) -> None:
+        spins, sleep = 0, 1e-5
+        while self._ready[0] < seq:
+            spins += 1
+            if spins > SPINS_BEFORE_YIELD:
+                if give_up():
+                    raise ConnectionError("the tensor-parallel driver is gone")
+                time.sleep(sleep)
+                sleep = min(2 * sleep, IDLE_SLEEP_S)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and self._group is not None and x.is_contiguous():
-            if self._library.fulcrum_shm_all_reduce_bf16(ctypes.byref(self._group),
-                                                         x.data_ptr(), x.numel()):
+            status = self._library.fulcrum_shm_all_reduce_bf16(ctypes.byref(self._group),
+                                                               x.data_ptr(), x.numel())
+            if status == 1:
                 raise ValueError(f"{x.numel()} values do not fit a shared-memory slot")
+            if status:
+                raise TimeoutError(f"a tensor-parallel rank did not reach a collective "
+                                   f"within {COLLECTIVE_TIMEOUT_S:.0f} s")
             return x
         seq = self._exchange(x)
         flat = x.view(-1)

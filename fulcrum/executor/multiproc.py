@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import weakref
 from typing import List, Optional, Sequence
 
@@ -22,9 +23,11 @@ def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
     """A spawned rank's whole life: pin, join the group, build its share, follow."""
     if cores:
         pin_to_cores(cores)
+    parent = os.getppid()
     group = connect(rank, world_size, LOCALHOST, port,
                     torch.device("cuda", rank) if wc.device == "cuda" else torch.device("cpu"),
-                    host=LOCALHOST, same_host=True)
+                    host=LOCALHOST, same_host=True,
+                    driver_gone=lambda: os.getppid() != parent)
     Worker(wc, group).follow_driver()
 
 

@@ -8,6 +8,8 @@
 // writes it again.
 #include <immintrin.h>
 
+#include <time.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -23,26 +25,45 @@ struct ShmGroup {
   int64_t slot_bytes;
   int64_t* seq;       // this rank's round counter (shared with the Python side)
   int32_t rank, world;
+  double timeout_s;   // a rank that has not arrived by then is taken for gone
 };
 
-static void wait_all(const int64_t* flags, int world, int64_t round) {
-  for (int r = 0; r < world; ++r)
-    while (__atomic_load_n(flags + r, __ATOMIC_ACQUIRE) < round) _mm_pause();
+static double now_s() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// Spin until every rank's flag reaches `round`; false after the group's timeout (ranks run in
+// lockstep, so the wait is the others' lag behind this rank, normally microseconds).
+static bool wait_all(const ShmGroup& g, const int64_t* flags, int64_t round) {
+  double deadline = 0;
+  for (int r = 0; r < g.world; ++r) {
+    for (int spins = 0; __atomic_load_n(flags + r, __ATOMIC_ACQUIRE) < round; ++spins) {
+      _mm_pause();
+      if ((spins & 4095) == 4095) {
+        if (deadline == 0) deadline = now_s() + g.timeout_s;
+        else if (now_s() > deadline) return false;
+      }
+    }
+  }
+  return true;
 }
 
 static uint16_t* slot(const ShmGroup& g, int rank, int64_t round) {
   return reinterpret_cast<uint16_t*>(g.slots + (rank * 2 + round % 2) * g.slot_bytes);
 }
 
-// x [n] bf16, summed over the ranks in place. 0 on success, 1 if it does not fit a slot.
+// x [n] bf16, summed over the ranks in place. 0 on success, 1 if it does not fit a slot,
+// 2 if a rank did not arrive within the timeout.
 int fulcrum_shm_all_reduce_bf16(const ShmGroup* group, uint16_t* x, int64_t n) {
   const ShmGroup& g = *group;
   if (n * 2 > g.slot_bytes) return 1;
   const int64_t round = ++*g.seq;
-  wait_all(g.done, g.world, round - 2);
+  if (!wait_all(g, g.done, round - 2)) return 2;
   std::memcpy(slot(g, g.rank, round), x, n * 2);
   __atomic_store_n(g.ready + g.rank, round, __ATOMIC_RELEASE);
-  wait_all(g.ready, g.world, round);
+  if (!wait_all(g, g.ready, round)) return 2;
   std::memcpy(x, slot(g, 0, round), n * 2);
   for (int r = 1; r < g.world; ++r) {
     const uint16_t* other = slot(g, r, round);
