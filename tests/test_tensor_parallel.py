@@ -4,6 +4,9 @@ engine with an error instead of hanging."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import httpx
 import pytest
 import torch
@@ -109,7 +112,9 @@ def test_tp2_bf16_native_stack_equals_the_python_layers(tmp_path):
         llm.llm_engine.shutdown()
 
 
-def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
+@contextlib.contextmanager
+def _rank_killed_mid_run(model_dirs):
+    """An engine at TP=2, one step into a request, whose rank 1 has just been killed."""
     llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
     engine = llm.llm_engine
     try:
@@ -119,37 +124,30 @@ def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
         process = engine.executor._procs[0]
         process.kill()
         process.join(10)
-        with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped"):
-            engine.step()
-        with pytest.raises(ExecutorError, match="stopped"):
-            engine.step()
+        yield engine
     finally:
         engine.shutdown()
 
 
-def test_a_rank_dying_mid_step_fails_the_step_within_the_timeout(model_dirs, monkeypatch):
-    import time
+def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
+    with _rank_killed_mid_run(model_dirs) as engine:
+        with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped"):
+            engine.step()
+        with pytest.raises(ExecutorError, match="stopped"):
+            engine.step()
 
+
+def test_a_rank_dying_mid_step_fails_the_step_within_the_timeout(model_dirs, monkeypatch):
     from fulcrum.distributed import shm
 
     monkeypatch.setattr(shm, "COLLECTIVE_TIMEOUT_S", 2.0)
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
-    engine = llm.llm_engine
-    try:
-        engine.add_request("a", {"prompt_token_ids": PROMPTS[1]},
-                           SamplingParams(max_tokens=50, ignore_eos=True))
-        engine.step()
-        process = engine.executor._procs[0]
-        process.kill()
-        process.join(10)
+    with _rank_killed_mid_run(model_dirs) as engine:
         # As if it died after the driver's check: the driver reaches its collectives alone.
         monkeypatch.setattr(engine.executor, "_dead_ranks", lambda: "")
         start = time.monotonic()
         with pytest.raises(ExecutorError, match="did not reach a collective"):
             engine.step()
         assert time.monotonic() - start < 30
-    finally:
-        engine.shutdown()
 
 
 def test_shard_checks_and_vocab_padding():
