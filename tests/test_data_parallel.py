@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -93,10 +94,15 @@ def test_a_killed_replica_fails_its_requests_and_the_server_serves_on(dp_server)
     errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {\"error\"")]
     assert errors and "failed mid-stream" in errors[0]["error"]["message"]
     assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]"
-    health = httpx.get(f"{server.url}/health")
-    assert health.status_code == 200
-    states = {s["engine"]: s for s in health.json()["replicas"]}
-    assert states[target.index]["healthy"] is False and "exit code" in states[target.index]["error"]
+    deadline = time.monotonic() + 10  # the router looks at its replicas every 0.5 s
+    while True:
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 200
+        state = {s["engine"]: s for s in health.json()["replicas"]}[target.index]
+        if not state["healthy"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert state["healthy"] is False and "exit code" in state["error"]
     for prompt in ("After the rain", text):
         assert _complete(server.url, prompt).status_code == 200
     assert 'fulcrum:router_replica_up{engine="%d"} 0.0' % target.index in \
