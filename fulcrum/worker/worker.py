@@ -48,8 +48,9 @@ class Worker:
         config = wc.config
         self.group = group
         rank = group.rank if group else 0
-        self.device = torch.device(f"cuda:{rank}" if wc.device == "cuda" and group
-                                   else wc.device)
+        # A rank's device is its group's (mp: cuda:<rank>; torchrun: the local rank's; a
+        # Ray actor sees its one GPU as cuda:0).
+        self.device = group.device if group else torch.device(wc.device)
         spec = model_class(wc.hf_config).spec_from_config(wc.hf_config)
         local = Shard(rank, group.world_size if group else 1, spec).local_spec
         backend = make_backend(self.device, wc.dtype, wc.kv_cache_dtype,
