@@ -62,6 +62,7 @@ class ParallelGroup:
 
     def barrier(self) -> None:
         self.cpu.allreduce([torch.zeros(1)]).wait()
+
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
@@ -84,27 +85,23 @@ class ParallelGroup:
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. the KV blocks that fit on each)."""
-        t = torch.tensor([-value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
+        options.reduceOp = dist.ReduceOp.MIN
         self.cpu.allreduce([t], options).wait()
-        return -int(t.item())
+        return int(t.item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's `obj` on every rank (the driver passes it, the others get it);
         through shared memory when it fits, else gloo."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None
         if self.shm is not None:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None
             received = self.shm.broadcast_bytes(data, self.driver_gone)
             if received is not None:
                 return obj if self.is_driver else pickle.loads(received)
-        if self.is_driver:
-            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-            size = torch.tensor([len(data)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
+        size = torch.tensor([len(data) if self.is_driver else 0], dtype=torch.int64)
         self.cpu.broadcast(size, 0).wait()
-        payload = (torch.from_numpy(data.copy()) if self.is_driver
+        payload = (torch.from_numpy(np.frombuffer(data, np.uint8).copy()) if self.is_driver
                    else torch.empty(int(size.item()), dtype=torch.uint8))
         self.cpu.broadcast(payload, 0).wait()
         return obj if self.is_driver else pickle.loads(payload.numpy().tobytes())
