@@ -12,6 +12,9 @@ from typing import Literal, Optional
 SchedulingPolicy = Literal["slo", "fcfs", "priority"]
 BatchingMode = Literal["continuous", "static"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
+# How tensor-parallel ranks start (fulcrum/executor/): one in-process rank, spawned
+# processes, Ray actors, torchrun's processes.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
 
 # vLLM's defaults for a server; fulcrum uses the same on every entry point.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -126,10 +129,10 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} is not "
                              "supported: fulcrum splits models by tensor parallelism only "
                              "(only 1 is accepted)")
-        backends = ("uni", "mp", "ray", "external_launcher")
-        if self.distributed_executor_backend not in (None, *backends):
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of "
-                             f"{', '.join(backends)}, got {self.distributed_executor_backend!r}")
+                             f"{', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='uni' runs one rank; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp', "

@@ -45,7 +45,8 @@ def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkey
         "best_fixed_budget": "fulcrum-fcfs-512",
         "results": {"fulcrum-slo": {"points": [{"goodput_share": 1.0}, {"goodput_share": 0.5}]},
                     "vllm": {"error": "did not start"}}}))
-    monkeypatch.setattr(report, "GOODPUT_JSON", goodput)
+    monkeypatch.setattr(report, "SECTIONS",
+                        ((goodput, "fulcrum.bench.goodput"), *report.SECTIONS[1:]))
     assert main(["bench", "report", "--render-only", "--out", str(out)]) == 0
     page = out.read_text()
     assert "## Throughput" in page and "## Mixed" in page

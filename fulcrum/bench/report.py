@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import importlib
 import importlib.metadata
 import json
 import math
@@ -49,6 +50,11 @@ STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"
                    / "structured_outputs.json")
 LATENCY_JSON = REPO / "benchmarks" / "results" / "latency" / "latency.json"
 SCALE_JSON = REPO / "benchmarks" / "results" / "scale" / "scale.json"
+# Results of other benchmarks the page summarises, in page order: (their JSON, the module
+# whose `summary(data, json_path, page_dir)` writes the section).
+SECTIONS = ((GOODPUT_JSON, "fulcrum.bench.goodput"),
+            (STRUCTURED_JSON, "fulcrum.bench.structured"),
+            (LATENCY_JSON, "fulcrum.bench.latency"), (SCALE_JSON, "fulcrum.bench.scale"))
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -401,26 +407,11 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
                   "against the short requests' TTFT p99 (left) and TPOT p99 (right), Pareto "
                   f"front in red ([table]({table}); `bash benchmarks/sweep_mixed.sh` "
                   "regenerates it).", "", f"![sweep]({setup['sweep_plot']})"]
-    if GOODPUT_JSON.exists():
-        from fulcrum.bench.goodput import summary
-
-        lines += summary(json.loads(GOODPUT_JSON.read_text()), GOODPUT_JSON,
-                         md_path.resolve().parent)
-    if STRUCTURED_JSON.exists():
-        from fulcrum.bench.structured import summary as structured_summary
-
-        lines += structured_summary(json.loads(STRUCTURED_JSON.read_text()), STRUCTURED_JSON,
-                                    md_path.resolve().parent)
-    if LATENCY_JSON.exists():
-        from fulcrum.bench.latency import summary as latency_summary
-
-        lines += latency_summary(json.loads(LATENCY_JSON.read_text()), LATENCY_JSON,
-                                 md_path.resolve().parent)
-    if SCALE_JSON.exists():
-        from fulcrum.bench.scale import summary as scale_summary
-
-        lines += scale_summary(json.loads(SCALE_JSON.read_text()), SCALE_JSON,
-                               md_path.resolve().parent)
+    for json_path, module in SECTIONS:  # each benchmark's own section, if it has run
+        if json_path.exists():
+            summary = importlib.import_module(module).summary
+            lines += summary(json.loads(json_path.read_text()), json_path,
+                             md_path.resolve().parent)
     lines += ["", "## Regenerate", "", "    " + setup["command"], ""]
     return "\n".join(lines)
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 from fulcrum.executor.base import Executor, ExecutorError
 from fulcrum.worker.worker import WorkerConfig
 
-BACKENDS = ("uni", "mp", "ray", "external_launcher")
-
-
 def make_executor(wc: WorkerConfig) -> Executor:
     """The executor `wc.config` asks for (its distributed_executor_backend, resolved)."""
     backend = wc.config.distributed_executor_backend
@@ -25,4 +22,4 @@ def make_executor(wc: WorkerConfig) -> Executor:
     return TorchrunExecutor(wc)
 
 
-__all__ = ["BACKENDS", "Executor", "ExecutorError", "make_executor"]
+__all__ = ["Executor", "ExecutorError", "make_executor"]
