@@ -1,7 +1,8 @@
-"""What weight-only int8 (`--quantization int8`) costs in quality, on a real model.
+"""What int8 (`--quantization int8`) costs in quality, on a real model.
 
 stories260K (../shared/models/stories260K, a trained Llama) in bfloat16, with and without
-int8 weights (a scale per output channel, computed at load; the LM head stays bf16):
+int8 (weights with a scale per output channel, computed at load, and each input row
+quantized at run time; the LM head stays bf16):
 - greedy agreement: for each of the model's greedy reference prompts, the share of generated
   tokens before int8's first difference from bf16, and the share of answers identical;
 - next-token distributions on real text (a few paragraphs of plain English below): the mean
@@ -71,7 +72,7 @@ def main() -> None:
     results = ROOT / "results"
     results.mkdir(exist_ok=True)
     (results / "int8_quality.json").write_text(json.dumps(data, indent=2) + "\n")
-    lines = ["# Weight-only int8: quality on a real model", "",
+    lines = ["# int8: quality on a real model", "",
              f"stories260K, bf16 with and without `--quantization int8`; "
              f"{data['machine']['date']}; regenerate with `python benchmarks/int8_quality.py`.",
              "", "| measure | value |", "|---|---:|",

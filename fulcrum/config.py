@@ -84,8 +84,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
     enforce_eager: bool = False
-    # vLLM's --quantization: None (the model's dtype) or "int8" (weight-only, a scale per
-    # output channel computed at load; the LM head stays in the model's dtype).
+    # vLLM's --quantization: None (the model's dtype) or "int8" (int8 weights with a scale per
+    # output channel computed at load, inputs quantized per row at run time; the LM head stays
+    # in the model's dtype).
     quantization: Optional[str] = None
     # vLLM: run code shipped in the model folder. fulcrum never does (only False).
     trust_remote_code: bool = False
@@ -139,7 +140,7 @@ class EngineConfig:
                              "'ray' or 'external_launcher'")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported: fulcrum "
-                             "has weight-only 'int8' (or None)")
+                             "has 'int8' (or None)")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code=True is refused: fulcrum runs no code from "
                              "model folders (its architectures are built in; see the README)")

@@ -59,8 +59,9 @@ _HELP = {
                                     "local one), external_launcher (under torchrun)",
     "pipeline_parallel_size": "vLLM's; only 1 (fulcrum has tensor parallelism only)",
     "enforce_eager": "vLLM's; fulcrum captures no graphs and always runs eagerly",
-    "quantization": "int8: weight-only int8 with a scale per output channel, computed at load "
-                    "(half the weight bytes a decode step reads; the LM head stays unquantized)",
+    "quantization": "int8: int8 weights with a scale per output channel, computed at load, "
+                    "and each input row quantized at run time (half the weight bytes a decode "
+                    "step reads, int8 dot products; the LM head stays unquantized)",
     "trust_remote_code": "vLLM's; fulcrum runs no code from model folders (only off)",
     "tokenizer_mode": "vLLM's; only auto (the model's tokenizer.json)",
     "disable_log_stats": "no periodic stats line from the server (vLLM's)",

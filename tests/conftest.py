@@ -101,7 +101,12 @@ def hf_greedy(model_dir: Path, prompt_ids: list, max_new_tokens: int) -> list:
     """HF transformers' greedy continuation of one prompt (token ids only, EOS ignored)."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return hf_greedy_of(tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                        prompt_ids, max_new_tokens)
+
+
+def hf_greedy_of(model, prompt_ids: list, max_new_tokens: int) -> list:
+    """The same for a loaded (possibly altered) HF model."""
     model.generation_config.eos_token_id = None  # like ignore_eos: run to max_new_tokens
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

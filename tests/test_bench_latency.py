@@ -47,6 +47,7 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_token"] * 1e3)
         assert 0 < row["share_of_roofline"] and row["bound"] in ("memory", "compute")
     assert data["machine_limits"]["bandwidth_gb_per_s"] > 0
+    assert full["matrix_peak_gflops"] > 0 and quantized["matrix_peak_gflops"] > 0
     data["setup"] = {"shape": "tiny", "dtype": "float32", "input_len": 5, "output_len": 6,
                      "machine": {"date": "today"}, "command": "fulcrum bench latency"}
     lines = summary(data, Path("/r/latency.json"), Path("/docs"))

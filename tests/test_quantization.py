@@ -1,13 +1,14 @@
-"""Weight-only int8 (`quantization="int8"`): the quantizer's rounding, the int8 kernel and the
-portable path against float64 references of the dequantized weights, and whole models whose
-greedy tokens match HF's with the same (quantized, then dequantized) weights."""
+"""int8 (`quantization="int8"`: int8 weights with a scale per output channel, each input row
+quantized at run time with a scale of its own): both quantizers' rounding, the int8 kernel and
+the portable path against float64 references of the quantized products, and whole models
+whose greedy tokens match HF's run with the same quantization."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, hf_greedy_of
 from fulcrum import LLM, SamplingParams, kernels
 from fulcrum.models.layers import Linear
 
@@ -24,39 +25,68 @@ def test_quantize_int8_rounds_per_output_channel():
     assert (q.float() * scale[:, None] - weight).abs().max() <= scale.max() / 2
 
 
+def test_quantize_rows_int8_rounds_per_row_half_to_even():
+    x = torch.tensor([[127 / 64, 2.5 / 64, 1.5 / 64, -2.5 / 64],  # x * 64: ties
+                      [0.0, 0.0, 0.0, 0.0],
+                      [-4.0, 0.5, 1.0, 0.0],
+                      [2.0, 1.0, -1.0, 0.0]])  # x * 63.5
+    q, scale = kernels.quantize_rows_int8(x)
+    assert scale.flatten().tolist() == pytest.approx([1 / 64, 0.0, 4 / 127, 2 / 127])
+    assert q.tolist() == [[127, 2, 2, -2], [0, 0, 0, 0], [-127, 16, 32, 0], [127, 64, -64, 0]]
+
+
+def quantized_reference(x, q, scale, bias=None):
+    """float64 of what the int8 path computes: quantized rows times the int8 weights."""
+    rows, row_scale = kernels.quantize_rows_int8(x)
+    y = (rows.double() @ q.double().T) * row_scale.double() * scale.double()
+    return y if bias is None else y + bias.double()
+
+
 @needs_linear
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-@pytest.mark.parametrize("out_features,in_features", [(100, 64), (48, 576), (200, 34)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("out_features,in_features", [(100, 64), (48, 576), (200, 34), (64, 1538)])
 def test_int8_kernel_matches_float64(rows, out_features, in_features):
+    """Any row count (whole and partial register tiles, the parallel quantizer from 16 rows)
+    and any input width (34 and 1538 are not whole quads); exact up to fp32's rounding."""
     torch.manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features) * 0.1
     bias = torch.randn(out_features)
     q, scale = kernels.quantize_int8(weight)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
-    got = kernels.linear_bf16(x, kernels.pack_linear_weight(q), bias, out_features,
-                              torch.float32, scale)
-    reference = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
-    assert (got.double() - reference).abs().max() < 1e-4 * reference.abs().max()
+    packed = kernels.pack_linear_weight(q)
+    got = kernels.linear_bf16(x, packed, bias, out_features, torch.float32, scale)
+    reference = quantized_reference(x, q, scale, bias)
+    assert (got.double() - reference).abs().max() < 1e-6 * reference.abs().max()
+    as_bf16 = kernels.linear_bf16(x, packed, bias, out_features, torch.bfloat16, scale)
+    assert torch.equal(as_bf16, got.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_int8_both_paths_match_the_dequantized_weights(dtype):
+def test_linear_int8_both_paths_match_the_quantized_products(dtype):
     torch.manual_seed(0)
     layer = Linear(64, 40, bias=True).to(dtype)
     q, scale = kernels.quantize_int8(layer.weight.data)
-    dequantized = q.double() * scale.double()[:, None]
-    bias = layer.bias.data.double()
+    bias = layer.bias.data
     layer.pack("int8")
     assert layer.weight is None and layer.scale is not None
     x = torch.randn(5, 64).to(dtype)
-    reference = x.double() @ dequantized.T + bias
+    reference = quantized_reference(x, q, scale, bias.float())
     got = layer(x, torch.float32).double()
-    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
-    assert (got - reference).abs().max() < tolerance * reference.abs().max()
+    assert (got - reference).abs().max() < 1e-5 * reference.abs().max()
+    # and not the unquantized rows' product: the activations really are quantized
+    plain = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    assert (got - plain).abs().max() > 1e-4 * reference.abs().max()
 
 
-def test_int8_model_matches_hf_with_the_same_weights(llama_dir, tmp_path):
-    """float32 (the portable path): greedy tokens equal HF's on the dequantized weights."""
+def quantize_input(module, args):
+    """An HF linear's input, quantized per row as fulcrum's int8 path does (then scaled back)."""
+    q, scale = kernels.quantize_rows_int8(args[0])
+    return (q * scale,)
+
+
+def test_int8_model_matches_hf_with_the_same_quantization(llama_dir):
+    """float32 (the portable path): greedy tokens equal HF's with the same quantized weights
+    and each linear's input quantized per row."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
@@ -65,11 +95,9 @@ def test_int8_model_matches_hf_with_the_same_weights(llama_dir, tmp_path):
             if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
                 q, scale = kernels.quantize_int8(module.weight)
                 module.weight.copy_(q.float() * scale[:, None])
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+                module.register_forward_pre_hook(quantize_input)
     prompt = list(range(5, 25))
-    expected = hf_greedy(tmp_path, prompt, 12)
+    expected = hf_greedy_of(model, prompt, 12)
     llm = LLM(str(llama_dir), quantization="int8", dtype="float32")
     output = llm.generate([{"prompt_token_ids": prompt}],
                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -82,5 +110,16 @@ def test_int8_model_matches_hf_with_the_same_weights(llama_dir, tmp_path):
 
 
 def test_quantization_values(llama_dir):
-    with pytest.raises(ValueError, match="has weight-only 'int8'"):
+    with pytest.raises(ValueError, match="has 'int8'"):
         LLM(str(llama_dir), quantization="fp8")
+
+
+@needs_linear
+def test_int8_kernel_rounds_rows_as_the_reference_does():
+    """Ties (x * 127 / amax exactly k + 0.5) go to even, as `quantize_rows_int8` rounds."""
+    x = torch.tensor([[127 / 64, 2.5 / 64, 1.5 / 64, -2.5 / 64], [2.0, 1.0, -1.0, 0.0]])
+    identity, scale = kernels.quantize_int8(torch.eye(4))
+    got = kernels.linear_bf16(x.to(torch.bfloat16), kernels.pack_linear_weight(identity), None,
+                              4, torch.float32, scale)
+    _, row_scale = kernels.quantize_rows_int8(x)
+    assert torch.round(got / row_scale).tolist() == [[127, 2, 2, -2], [127, 64, -64, 0]]

@@ -4,14 +4,14 @@ this machine can do at best.
 For each batch size, that many requests (random prompts of `--input-len` tokens) decode
 `--output-len` tokens together, in-process; the figure is the median wall time of the steps
 where the whole batch decodes: each request's time per output token at that batch size.
-The model runs with its weights as loaded and with weight-only int8 (`--quantizations`),
+The model runs with its weights as loaded and with int8 (`--quantizations`),
 side by side: runs alternate between the two engines, so the machine's drifts hit both.
 
 The machine's limits are measured here too, on the same cores, before and after the runs (the
 best kept): the memory bandwidth (summing a 512 MiB float32 array) and the matrix-multiply
-peak in the model's dtype (its own gate/up projection on 512 rows). A decode step must read every weight once
-(plus the KV cache of every request) and do 2 FLOPs per weight per request (plus attention),
-so its least possible time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report
+peak of each engine's number format (its own gate/up projection on 512 rows). A decode
+step must read every weight once (plus the KV cache of every request) and do 2 FLOPs per
+weight per request (plus attention), so its least possible time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report
 gives each batch size's share of that bound: 100% would be a step that only streams weights
 and multiplies, with nothing else in the way.
 """
@@ -67,7 +67,8 @@ def measure_bandwidth(repeats: int = 8) -> float:
 def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> float:
     """Multiply-add throughput (FLOP/s) of the model's own MLP projection (gate and up,
     its largest matrix but the LM head, whose huge output is memory work) on 512 rows: the best
-    a step's matrix work can do. Best of `repeats`."""
+    a step's matrix work can do, in the model's number format (int8 products run at twice
+    bf16's rate). Best of `repeats`."""
     layer = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     rows = torch.randn(512, layer.in_features, dtype=dtype)
     best = float("inf")
@@ -125,7 +126,7 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
     # The machine's limits before and after the runs, the better of each kept: a noisy
     # neighbour in one measurement must not lower the bound the runs are judged against.
     bandwidth = measure_bandwidth()
-    peak = measure_peak_flops(first.runner.model, first.dtype)
+    peaks = {label: measure_peak_flops(e.runner.model, e.dtype) for label, e in engines.items()}
     timed: Dict[str, Dict[int, List[float]]] = {label: {b: [] for b in batch_sizes}
                                                 for label in engines}
     for batch in batch_sizes:
@@ -134,12 +135,15 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
                 timed[label][batch] += decode_steps(engine, batch, input_len, output_len, 1,
                                                     rng)
     bandwidth = max(bandwidth, measure_bandwidth())
-    peak = max(peak, measure_peak_flops(first.runner.model, first.dtype))
+    peaks = {label: max(peak, measure_peak_flops(engines[label].runner.model,
+                                                 engines[label].dtype))
+             for label, peak in peaks.items()}
     context = input_len + output_len // 2  # the mean context of the timed steps
-    return {"machine_limits": {"bandwidth_gb_per_s": bandwidth / 1e9,
-                               "matrix_peak_gflops": peak / 1e9},
+    return {"machine_limits": {"bandwidth_gb_per_s": bandwidth / 1e9},
             "engines": {label: {"weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6,
-                                "rows": [_row(engine, batch, times, context, bandwidth, peak)
+                                "matrix_peak_gflops": peaks[label] / 1e9,
+                                "rows": [_row(engine, batch, times, context, bandwidth,
+                                              peaks[label])
                                          for batch, times in timed[label].items()]}
                         for label, engine in engines.items()}}
 
@@ -178,16 +182,18 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     relative = lambda p: os.path.relpath(p, page_dir)  # noqa: E731
     weights = ", ".join(f"{label} {result['weights_mb']:.0f} MB"
                         for label, result in data["engines"].items())
+    peaks = ", ".join(f"{label} {result['matrix_peak_gflops']:.0f}"
+                      for label, result in data["engines"].items())
     return ["", "## Latency against the roofline", "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
-            "with its weights as loaded and with weight-only int8 (`--quantization int8`; the "
+            "with its weights as loaded and with int8 (`--quantization int8`; the "
             "LM head stays unquantized), runs alternating between the two; "
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
             "machine's own limit, measured in the same run: memory bandwidth "
             f"{limits['bandwidth_gb_per_s']:.1f} GB/s (a reduction over 512 MiB) and matrix peak "
-            f"{limits['matrix_peak_gflops']:.0f} GFLOP/s (the model's own MLP projection on 512 "
-            f"rows); a decode step must read its weights ({weights}) plus the KV cache. "
+            f"in GFLOP/s {peaks} (each engine's own MLP projection on 512 rows); a decode step "
+            f"must read its weights ({weights}) plus the KV cache. "
             f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
             f"![latency]({relative(json_path.with_suffix('.png'))})"]

@@ -2,7 +2,8 @@
 
 - paged_attention.cpp: attention reading the paged KV cache in place (decodes; in bf16
   whole steps, prefill chunks too);
-- linear_bf16.cpp: bfloat16 linear layers on AVX512-BF16 CPUs, over weights packed once;
+- linear_bf16.cpp: bfloat16 and int8 linear layers on AVX512-BF16 and VNNI CPUs, over
+  weights packed once;
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
@@ -224,19 +225,27 @@ def supports_linear(weight: torch.Tensor) -> bool:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> the kernel's panels: [panels, in / 2, panel width, 2], zero-padded (bf16
-    weights, or int8 ones for `linear_int8`)."""
+    """[out, in] -> the kernel's panels, zero-padded. bf16: [panels, in / 2, panel width, 2].
+    int8 (from `quantize_int8`): each panel holds quads of inputs, [in / 4, panel width, 4]
+    (in padded to whole quads), then its columns' weight sums times 128 (int32) for the
+    kernel's unsigned activations; flattened to [panels, bytes]."""
     panel = _linear_library().fulcrum_linear_bf16_panel()
+    group = 4 if weight.dtype == torch.int8 else 2
     out_features, in_features = weight.shape
-    padded = -(-out_features // panel) * panel
-    full = torch.zeros(padded, in_features, dtype=weight.dtype)
-    full[:out_features] = weight
-    return full.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    padded_out = -(-out_features // panel) * panel
+    padded_in = -(-in_features // group) * group
+    full = torch.zeros(padded_out, padded_in, dtype=weight.dtype)
+    full[:out_features, :in_features] = weight
+    panels = full.view(padded_out // panel, panel, padded_in // group, group).permute(0, 2, 1, 3)
+    if group == 2:
+        return panels.contiguous()
+    sums = (full.sum(dim=1, dtype=torch.int32) * 128).view(-1, panel).contiguous().view(torch.int8)
+    return torch.cat([panels.reshape(padded_out // panel, -1), sums], dim=1)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple:
-    """Weight-only int8 with one scale per output channel: (q [out, in] int8, scale [out]
-    fp32) with weight ~= scale[:, None] * q, |q| <= 127 (symmetric, rounded to nearest)."""
+    """int8 with one scale per output channel: (q [out, in] int8, scale [out] fp32) with
+    weight ~= scale[:, None] * q, |q| <= 127 (symmetric, rounded to nearest)."""
     weight = weight.float()
     scale = weight.abs().amax(dim=1) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -244,11 +253,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple:
     return q, scale
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple:
+    """The int8 kernel's dynamic activation quantization, one scale per row: (q as float32,
+    scale [..., 1]) with q = round-half-even(x * (127 / amax)), x ~= q * amax / 127."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # torch.div, not 127.0 / amax: torch computes the latter as 127 * (1 / amax), which may
+    # differ from the kernel's division in the last bit and round a q differently
+    inverse = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax),
+                          torch.zeros_like(amax))
+    return torch.round(x * inverse), amax / 127.0
+
+
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
                 out_features: int, out_dtype: torch.dtype = torch.bfloat16,
                 scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] (bf16) @ W^T + bias, with W packed by `pack_linear_weight`; bias fp32.
-    With int8 panels, `scale` ([out] fp32, one per output channel) makes W = scale * q."""
+    With int8 panels, `scale` ([out] fp32, one per output channel) makes W = scale * q, and
+    each row of x is quantized as `quantize_rows_int8` does."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
         rows = rows.to(torch.bfloat16).contiguous()

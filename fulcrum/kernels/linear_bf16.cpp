@@ -12,15 +12,21 @@
 // K loop; each input pair is broadcast once per row. Threads split the panels, so a small
 // batch still uses every core and reads each weight exactly once per call.
 //
-// Weight-only int8 (`--quantization int8`): the same panels hold int8 weights, half the
-// bytes to stream (decode steps are bound by reading the weights), with one fp32 scale per
-// output column. Each loaded panel row is widened to bf16 in registers (integers of 8 bits
-// are exact in bf16), so the products are those of the bf16 kernel with W = scale * q; the
-// accumulators are scaled once at the end.
+// int8 (`--quantization int8`): weights int8 with one fp32 scale per output column, and each
+// input row quantized to int8 at run time with one scale of its own (symmetric, dynamic per
+// token, the W8A8 scheme of vLLM's compressed-tensors and oneDNN). Products then run on
+// vpdpbusd, 64 multiply-adds of bytes per instruction into int32, straight from the loaded
+// weights: widening int8 panels to bf16 in registers took several instructions per 16
+// weights, so weight-only int8 was bound by arithmetic, not by reading its half-size weights.
+// (Per instruction vpdpbusd does twice vdpbf16ps's work; CPUs that split 512-bit work in
+// halves, Zen 4, issue it at half the rate, so large batches gain nothing there.) vpdpbusd multiplies unsigned by signed bytes, so a row is stored as
+// q + 128 and each panel ends with its columns' weight sums times 128, which are subtracted.
+// Quantizing a row depends on that row alone: results do not depend on the batch.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 namespace {
@@ -32,23 +38,33 @@ constexpr int kRows = 8;                 // input rows per register tile
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m256i as_i(__m256bh v) { return reinterpret_cast<__m256i&>(v); }
 
-// One panel row (kPanel columns x 2 k) as bf16 pairs: loaded as is, or widened from int8.
-inline void load_row(const uint16_t* w, __m512bh* b) {
-  for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
-}
-
-inline void load_row(const int8_t* w, __m512bh* b) {
+// y = acc * scale + bias for one row's `columns` outputs of a panel (acc: kVectors vectors),
+// stored as bf16 or fp32.
+inline void store_row(const __m512* acc, const float* scale, float row_scale, const float* bias,
+                      void* out, int columns, bool out_f32) {
   for (int v = 0; v < kVectors; ++v) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * 32));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * 32 + 16));
-    b[v] = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
-                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    const int first = v * 16;
+    if (first >= columns) break;
+    const int n = columns - first < 16 ? columns - first : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    const __m512 s = _mm512_mul_ps(
+        scale ? _mm512_maskz_loadu_ps(mask, scale + first) : _mm512_set1_ps(1.0f),
+        _mm512_set1_ps(row_scale));
+    const __m512 y = _mm512_fmadd_ps(acc[v], s, b);
+    if (out_f32) {
+      _mm512_mask_storeu_ps(static_cast<float*>(out) + first, mask, y);
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + first, mask,
+                               as_i(_mm512_cvtneps_pbh(y)));
+    }
   }
 }
 
-template <int M, typename W>
-void tile(const uint16_t* x, int64_t ldx, const W* panel, int pairs, const float* scale,
-          const float* bias, void* out, int64_t ldo, int columns, bool out_f32) {
+// bf16: a tile of M rows x one panel; the panel holds (k, k+1) pairs of kPanel columns.
+template <int M>
+void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs,
+               const float* bias, char* out, int64_t ldo_bytes, int columns, bool out_f32) {
   __m512 acc[M][kVectors];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -56,108 +72,99 @@ void tile(const uint16_t* x, int64_t ldx, const W* panel, int pairs, const float
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int kp = 0; kp < pairs; ++kp) {
     __m512bh b[kVectors];
-    load_row(panel + static_cast<int64_t>(kp) * kPanel * 2, b);
+    const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
+    for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
     for (int m = 0; m < M; ++m) {
       const __m512bh a = as_bh(_mm512_set1_epi32(rows[m][kp]));
       for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
     }
   }
-  for (int v = 0; v < kVectors; ++v) {
-    const int first = v * 16;
-    if (first >= columns) break;
-    const int n = columns - first < 16 ? columns - first : 16;
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
-    const __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + first) : _mm512_set1_ps(1.0f);
+  for (int m = 0; m < M; ++m)
+    store_row(acc[m], nullptr, 1.0f, bias, out + m * ldo_bytes, columns, out_f32);
+}
+
+// int8: the same tile over quads (k..k+3) of unsigned row bytes and signed weight bytes; the
+// panel's last kPanel int32 are its columns' weight sums times 128.
+template <int M>
+void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int8_t* panel,
+               int quads, const float* scale, const float* bias, char* out, int64_t ldo_bytes,
+               int columns, bool out_f32) {
+  __m512i acc[M][kVectors];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_si512();
+  const int32_t* rows[M];
+  for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int kq = 0; kq < quads; ++kq) {
+    __m512i b[kVectors];
+    const int8_t* w = panel + static_cast<int64_t>(kq) * kPanel * 4;
+    for (int v = 0; v < kVectors; ++v) b[v] = _mm512_loadu_si512(w + v * 64);
     for (int m = 0; m < M; ++m) {
-      const __m512 y = _mm512_fmadd_ps(acc[m][v], s, b);
-      if (out_f32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(out) + m * ldo + first, mask, y);
-      } else {
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * ldo + first, mask,
-                                 as_i(_mm512_cvtneps_pbh(y)));
-      }
+      const __m512i a = _mm512_set1_epi32(rows[m][kq]);
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], a, b[v]);
     }
   }
-}
-
-template <typename W>
-using TileFn = void (*)(const uint16_t*, int64_t, const W*, int, const float*, const float*,
-                        void*, int64_t, int, bool);
-template <typename W>
-constexpr TileFn<W> kTiles[kRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>,
-                                         tile<4, W>, tile<5, W>, tile<6, W>, tile<7, W>,
-                                         tile<8, W>};
-
-// An int8 panel widened to bf16 once, for the many row tiles of a large batch (each would
-// otherwise widen every weight again).
-void widen_panel(const int8_t* panel, int pairs, uint16_t* out) {
-  for (int kp = 0; kp < pairs; ++kp) {
-    __m512bh b[kVectors];
-    load_row(panel + static_cast<int64_t>(kp) * kPanel * 2, b);
+  const int32_t* sums = reinterpret_cast<const int32_t*>(panel + static_cast<int64_t>(quads)
+                                                         * kPanel * 4);
+  for (int m = 0; m < M; ++m) {
+    __m512 y[kVectors];
     for (int v = 0; v < kVectors; ++v)
-      _mm512_storeu_si512(out + static_cast<int64_t>(kp) * kPanel * 2 + v * 32,
-                          reinterpret_cast<__m512i&>(b[v]));
+      y[v] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][v], _mm512_loadu_si512(sums + v * 16)));
+    store_row(y, scale, row_scales[m], bias, out + m * ldo_bytes, columns, out_f32);
   }
 }
 
-int linear_widened(const uint16_t* x, int64_t ldx, const int8_t* packed, const float* scale,
-                   const float* bias, void* out, int64_t ldo, int M, int N, int pairs,
-                   int out_f32, int num_threads) {
-  const int panels = (N + kPanel - 1) / kPanel;
-  const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
-  const int64_t out_item = out_f32 ? 4 : 2;
-#pragma omp parallel num_threads(num_threads)
-  {
-    uint16_t* widened = new uint16_t[panel_size];
-#pragma omp for schedule(static)
-    for (int p = 0; p < panels; ++p) {
-      widen_panel(packed + p * panel_size, pairs, widened);
-      const int n0 = p * kPanel;
-      const int columns = N - n0 < kPanel ? N - n0 : kPanel;
-      for (int m0 = 0; m0 < M; m0 += kRows) {
-        const int rows = M - m0 < kRows ? M - m0 : kRows;
-        kTiles<uint16_t>[rows](x + m0 * ldx, ldx, widened, pairs, scale + n0,
-                               bias ? bias + n0 : nullptr,
-                               static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo,
-                               columns, out_f32 != 0);
-      }
-    }
-    delete[] widened;
-  }
-  return 0;
-}
-
-template <typename W>
-int linear(const uint16_t* x, int64_t ldx, const W* packed, const float* scale,
-           const float* bias, void* out, int64_t ldo, int M, int N, int K, int out_f32,
-           int num_threads) {
-  if (K % 2) return 1;
-  const int pairs = K / 2;
+// Every (panel, row tile) pair, threads splitting them; panels outermost, so a thread keeps
+// its panel in cache while the row tiles pass over it, and a small batch still spreads the
+// panels (each weight read once per call) over every core.
+template <typename Run>
+void for_tiles(int M, int N, int num_threads, const Run& run) {
   const int panels = (N + kPanel - 1) / kPanel;
   const int row_tiles = (M + kRows - 1) / kRows;
-  const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
-  const int64_t out_item = out_f32 ? 4 : 2;
-  if constexpr (sizeof(W) == 1) {
-    if (row_tiles > 1)  // several row tiles: widen each panel once, not once per tile
-      return linear_widened(x, ldx, packed, scale, bias, out, ldo, M, N, pairs, out_f32,
-                            num_threads);
-  }
-  // Panels outermost: a thread keeps its panel in cache while every row tile passes over it.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
   for (int p = 0; p < panels; ++p) {
     for (int t = 0; t < row_tiles; ++t) {
-      const int m0 = t * kRows;
-      const int rows = M - m0 < kRows ? M - m0 : kRows;
-      const int n0 = p * kPanel;
-      const int columns = N - n0 < kPanel ? N - n0 : kPanel;
-      kTiles<W>[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
-                      scale ? scale + n0 : nullptr, bias ? bias + n0 : nullptr,
-                      static_cast<char*>(out) + (m0 * ldo + n0) * out_item, ldo, columns,
-                      out_f32 != 0);
+      const int m0 = t * kRows, n0 = p * kPanel;
+      run(p, m0, M - m0 < kRows ? M - m0 : kRows, n0, N - n0 < kPanel ? N - n0 : kPanel);
     }
   }
-  return 0;
+}
+
+using Bf16Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int, const float*, char*,
+                          int64_t, int, bool);
+constexpr Bf16Tile kBf16Tiles[kRows + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
+                                            tile_bf16<4>, tile_bf16<5>, tile_bf16<6>,
+                                            tile_bf16<7>, tile_bf16<8>};
+using Int8Tile = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int,
+                          const float*, const float*, char*, int64_t, int, bool);
+constexpr Int8Tile kInt8Tiles[kRows + 1] = {nullptr, tile_int8<1>, tile_int8<2>, tile_int8<3>,
+                                            tile_int8<4>, tile_int8<5>, tile_int8<6>,
+                                            tile_int8<7>, tile_int8<8>};
+
+// Row m of x (K bf16) -> q + 128 in `quantized` (ld bytes, zero-padded to whole quads) and its
+// scale amax / 127, with q = round-half-even(x * (127 / amax)), |q| <= 127.
+void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k < 16 ? static_cast<__mmask16>((1u << (K - k)) - 1u) : 0xFFFF;
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + k));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))));
+  }
+  const float top = _mm512_reduce_max_ps(amax);
+  // An IEEE division written so that -freciprocal-math cannot turn it into 127 * (1 / top),
+  // which may differ in the last bit and so round a q differently from the reference.
+  const float inverse =
+      top > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), _mm_set_ss(top))) : 0.0f;
+  *row_scale = top / 127.0f;
+  const __m512 factor = _mm512_set1_ps(inverse);
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (int k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k < 16 ? static_cast<__mmask16>((1u << (K - k)) - 1u) : 0xFFFF;
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + k));
+    const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), factor);
+    const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(value), offset);
+    _mm_mask_storeu_epi8(quantized + k, mask, _mm512_cvtepi32_epi8(q));
+  }
+  for (int k = K; k < ld; ++k) quantized[k] = 128;  // q = 0 against zero weights
 }
 
 }  // namespace
@@ -172,19 +179,48 @@ int fulcrum_linear_bf16_panel() { return kPanel; }
 int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
                         const float* bias, void* out, int64_t ldo, int M, int N, int K,
                         int out_f32, int num_threads) {
-  return linear(x, ldx, packed, nullptr, bias, out, ldo, M, N, K, out_f32, num_threads);
+  if (K % 2) return 1;
+  const int pairs = K / 2;
+  const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
+  const int64_t item = out_f32 ? 4 : 2;
+  char* base = static_cast<char*>(out);
+  for_tiles(M, N, num_threads, [&](int p, int m0, int rows, int n0, int columns) {
+    kBf16Tiles[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
+                     bias ? bias + n0 : nullptr, base + (m0 * ldo + n0) * item, ldo * item,
+                     columns, out_f32 != 0);
+  });
+  return 0;
 }
 
-// The same with int8 panels and a fp32 scale per output column ([N], padded to the panels).
+// The same with int8 panels (quads of k, each panel ending with its weight sums) and a fp32
+// scale per output column ([N], padded to the panels); any K (padded to quads when packed).
 int fulcrum_linear_int8(const uint16_t* x, int64_t ldx, const int8_t* packed,
                         const float* scale, const float* bias, void* out, int64_t ldo, int M,
                         int N, int K, int out_f32, int num_threads) {
-  return linear(x, ldx, packed, scale, bias, out, ldo, M, N, K, out_f32, num_threads);
+  const int quads = (K + 3) / 4, ld = quads * 4;
+  thread_local std::vector<uint8_t> quantized;
+  thread_local std::vector<float> row_scales;
+  quantized.resize(static_cast<size_t>(M) * ld);
+  row_scales.resize(M);
+  uint8_t* q = quantized.data();
+  float* s = row_scales.data();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 2 * kRows)
+  for (int m = 0; m < M; ++m) quantize_row(x + m * ldx, K, ld, q + static_cast<int64_t>(m) * ld,
+                                           s + m);
+  const int64_t panel_size = static_cast<int64_t>(quads) * kPanel * 4 + kPanel * 4;
+  const int64_t item = out_f32 ? 4 : 2;
+  char* base = static_cast<char*>(out);
+  for_tiles(M, N, num_threads, [&](int p, int m0, int rows, int n0, int columns) {
+    kInt8Tiles[rows](q + static_cast<int64_t>(m0) * ld, ld, s + m0, packed + p * panel_size,
+                     quads, scale + n0, bias ? bias + n0 : nullptr,
+                     base + (m0 * ldo + n0) * item, ldo * item, columns, out_f32 != 0);
+  });
+  return 0;
 }
 
 }  // extern "C"
 
-#else  // no AVX512-BF16: the caller uses torch's matmul
+#else  // no AVX512-BF16 and VNNI: the caller uses torch's matmul
 
 extern "C" {
 int fulcrum_linear_bf16_supported() { return 0; }

@@ -131,9 +131,10 @@ class Linear(nn.Linear):
 
     `pack()` replaces the weight by the kernel's layout, so it is held once, not twice (a
     tied LM head's packed copy sits beside the embedding table, which lookups still need).
-    `pack("int8")` quantizes it first (weight-only int8, a scale per output channel): the
-    kernel widens the int8 panels in registers; without the kernel, the int8 weight is
-    dequantized per call in fp32 (the portable path: slow, same numbers).
+    `pack("int8")` quantizes it first (int8 weights with a scale per output channel; each
+    input row is quantized to int8 at run time with a scale of its own, and the products run
+    on the kernel's int8 dot products); without the kernel the same quantized products are
+    computed in fp32 (the portable path: slow, the same numbers up to fp32 rounding).
 
     With `reduce` (row parallel), each rank holds some input columns and the ranks' outputs
     are summed in place."""
@@ -172,8 +173,9 @@ class Linear(nn.Linear):
             return kernels.linear_bf16(x, self.packed, self.packed_bias, self.out_features,
                                        out_dtype or x.dtype, self.scale)
         if self.qweight is not None:
-            y = F.linear(x.float(), self.qweight.float() * self.scale[:, None],
-                         self.packed_bias).to(x.dtype)
+            q, row_scale = kernels.quantize_rows_int8(x)
+            y = (F.linear(q, self.qweight.float()) * row_scale * self.scale
+                 + (0 if self.packed_bias is None else self.packed_bias)).to(x.dtype)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
@@ -345,7 +347,7 @@ class DecoderForCausalLM(nn.Module):
     def pack_weights(self, quantization: Optional[str] = None) -> None:
         """Give every linear layer the fastest weight layout for this device and dtype;
         `quantization="int8"` quantizes all but the LM head (kept in the model's dtype, as
-        vLLM's weight-only schemes keep it: its errors would reach every token's logits)."""
+        vLLM's int8 schemes keep it: its errors would reach every token's logits)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(quantization if module is not self.lm_head else None)
