@@ -126,6 +126,7 @@ class LLMEngine:
                                                 ignore_eos=True))
             while self.has_unfinished_requests():
                 self.step()
+        self.step_time.anchor_here()
         self.block_manager.reset_prefix_cache()
         self.stats.clear()
         self.recent_finished.clear()

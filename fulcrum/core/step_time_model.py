@@ -5,15 +5,15 @@ schedulers use the same shape, with coefficients profiled offline): a fixed cost
 a cost per prefill token and per decode token (the weights' matrix work), a cost per unit of
 attention work (a prefill chunk of c tokens after s cached ones attends c * (s + c / 2)
 keys; a decode attends its whole context) and a cost per sequence. fulcrum fits the
-coefficients by recursive least squares with forgetting, so they follow the machine as it
-is now (a noisy neighbour, a warmer cache) rather than as it was at start-up; a short profile
-of real steps at start-up seeds them (see `LLMEngine._profile_step_time`).
+coefficients by least squares with forgetting, so they follow the machine as it is now (a
+noisy neighbour, a warmer cache) rather than as it was at start-up; a short profile of real
+steps at start-up seeds them (see `LLMEngine._profile_step_time`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -25,6 +25,7 @@ _SCALES = np.array([1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1e-2])
 _WARM_UPDATES = 16
 _MAX_SURPRISE = 0.5
 _MIN_SURPRISE_S = 2e-3
+_UNANCHORED_RIDGE = 1e-9
 
 
 @dataclass
@@ -74,21 +75,29 @@ class StepShape:
 
 
 class StepTimeModel:
-    """Recursive least squares over `StepShape` features; times in seconds.
+    """Least squares over `StepShape` features, recent steps weighed more; times in seconds.
 
-    `forgetting` < 1 weighs recent steps more: with 0.98 the fit is dominated by about the last
-    fifty steps. Until it has seen a step the model predicts zero.
+    With `forgetting` 0.98 the fit is dominated by about the last fifty steps. Long runs of
+    alike steps (a few requests decoding, hundreds of steps) say nothing about the other
+    directions, and plain recursive least squares lets them drift there: the real step time
+    is not exactly linear, and its small misfit, pushed through the correlations, once drove
+    the predicted cost of a prompt to zero. So the fit is regularised (`ridge`) towards the
+    coefficients of the start-up profile (`anchor_here`): directions the recent steps do not
+    excite stay where the profile put them, while those they do excite follow the data. Until it has
+    seen a step the model predicts zero.
     """
 
-    def __init__(self, forgetting: float = 0.98, prior: float = 1e3) -> None:
+    def __init__(self, forgetting: float = 0.98, ridge: float = 1e-3) -> None:
         self.forgetting = forgetting
-        self.prior = prior
+        self.ridge = ridge
         self.reset()
 
     def reset(self) -> None:
         size = len(_SCALES)
         self.theta = np.zeros(size)
-        self.covariance = np.eye(size) * self.prior
+        self.anchor: Optional[np.ndarray] = None  # what the fit is regularised towards
+        self.gram = np.zeros((size, size))  # sum of weighted x x^T
+        self.moment = np.zeros(size)  # sum of weighted x y
         self.num_updates = 0
         self.last_error = 0.0  # actual - predicted, of the last step seen
         # The coefficients per unscaled feature as floats: predictions run in the scheduler,
@@ -118,19 +127,23 @@ class StepTimeModel:
         if self.num_updates >= _WARM_UPDATES:
             bound = _MAX_SURPRISE * max(predicted, 0.0) + _MIN_SURPRISE_S
             error = min(max(error, -bound), bound)
-        px = self.covariance @ x
-        gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * error
-        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
-        # Steps that all look alike (a steady decode batch) leave some directions unexcited,
-        # and forgetting would inflate their variance without bound ("wind-up").
-        trace = float(np.trace(self.covariance))
-        if trace > self.prior * len(_SCALES):
-            self.covariance *= self.prior * len(_SCALES) / trace
+        self.gram = self.forgetting * self.gram + np.outer(x, x)
+        self.moment = self.forgetting * self.moment + x * (predicted + error)
+        # Before an anchor is set, a token ridge only keeps the system solvable.
+        ridge, anchor = (_UNANCHORED_RIDGE, 0.0) if self.anchor is None else \
+            (self.ridge, self.anchor)
+        self.theta = np.linalg.solve(self.gram + ridge * np.eye(len(x)),
+                                     self.moment + ridge * anchor)
         self.coefficients = tuple(float(v) for v in self.theta * _SCALES)
         self.num_updates += 1
 
     def fit(self, shapes: List[StepShape], seconds: List[float]) -> None:
-        """Seed the model with observed steps (the start-up profile)."""
+        """Seed the model with observed steps (the start-up profile); later fits are
+        regularised towards the coefficients found here."""
         for shape, actual in zip(shapes, seconds):
             self.update(shape, actual)
+        self.anchor_here()
+
+    def anchor_here(self) -> None:
+        """Regularise later fits towards the coefficients as they are now."""
+        self.anchor = self.theta.copy()
