@@ -26,7 +26,10 @@ def greedy(max_tokens: int = 8, **kwargs) -> SamplingParams:
 
 @pytest.fixture
 def llm(llama_dir):
-    return LLM(str(llama_dir), block_size=4, max_num_batched_tokens=64)
+    # fcfs: which step each request runs in must not depend on measured step times (under
+    # slo, a loaded machine can push the poisoned request's second child to a later step)
+    return LLM(str(llama_dir), block_size=4, max_num_batched_tokens=64,
+               scheduling_policy="fcfs")
 
 
 def reference(llm: LLM) -> dict:

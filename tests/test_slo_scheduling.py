@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from fulcrum import LLM, SamplingParams
 from fulcrum.core.request import RequestStatus, SloTargets
 from fulcrum.core.scheduling_policy import (PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR,
-                                       SLO_MAX_BANKED_STEPS)
+                                       SLO_LOOKAHEAD_TOKENS, SLO_MAX_BANKED_STEPS,
+                                       SLO_TPOT_PLANNED_SHARE)
 from fulcrum.core.step_time_model import StepShape, StepTimeModel
 from test_scheduler import Sim, chunk_of
 from test_step_time_model import train, truth
@@ -80,20 +81,53 @@ def test_a_short_request_behind_a_long_prompt_meets_its_targets():
 
 
 def test_tpot_is_a_mean_a_request_ahead_of_pace_lends_the_step_its_banked_time():
+    """Targets are planned at SLO_TPOT_PLANNED_SHARE; steps of the decodes alone take 80 ms,
+    so each of the next SLO_LOOKAHEAD_TOKENS tokens also lends what it will save."""
+    planned = SLO_TPOT_PLANNED_SHARE * 0.1
+    spare = SLO_LOOKAHEAD_TOKENS * (planned - 0.08)
     sim = slo_sim()
     request = add(sim, "r", 40, tpot=0.1, max_tokens=50)
     clocked_step(sim)  # the prompt: first token
     policy = sim.sched.policy
     first = policy.now = request.metrics.first_token_time
-    assert policy.step_allowance(request) == pytest.approx(0.1)  # nothing banked yet
+    assert policy.step_allowance(request, 0.08) == pytest.approx(planned + spare)  # none banked
     request.append_token(7)
-    policy.now = first + 0.05  # its 2nd token came in half a target: half a target banked
-    assert policy.step_allowance(request) == pytest.approx(0.15)
+    policy.now = first + planned / 2  # its 2nd token came in half a planned target
+    assert policy.step_allowance(request, 0.08) == pytest.approx(1.5 * planned + spare)
     for _ in range(20):
         request.append_token(7)
-    assert policy.step_allowance(request) == pytest.approx(SLO_MAX_BANKED_STEPS * 0.1)
-    policy.now = first + 5.0  # far behind its pace: one target, as without banking
-    assert policy.step_allowance(request) == pytest.approx(0.1)
+    assert policy.step_allowance(request, 0.08) == pytest.approx(SLO_MAX_BANKED_STEPS * planned)
+    policy.now = first + 5.0  # far behind its pace
+    assert policy.step_allowance(request, 0.08) == pytest.approx(0.08)  # catch up: decodes only
+    assert policy.step_allowance(request, 0.2) == pytest.approx(0.2)  # decodes alone: no more
+
+
+def test_a_request_may_borrow_from_its_next_tokens_up_to_its_max_tokens():
+    """The next SLO_LOOKAHEAD_TOKENS tokens, at 40 ms steps of the decodes alone, will each
+    save (planned target - 40 ms): the step may spend that now, less as max_tokens nears."""
+    planned = SLO_TPOT_PLANNED_SHARE * 0.1
+    saves = planned - 0.04
+    sim = slo_sim()
+    request = add(sim, "r", 40, tpot=0.1, max_tokens=6)
+    clocked_step(sim)
+    policy = sim.sched.policy
+    first = policy.now = request.metrics.first_token_time  # the 2nd token due in `planned`
+    assert SLO_LOOKAHEAD_TOKENS > 4
+    # 4 tokens may follow the next one (max_tokens 6)
+    assert policy.step_allowance(request, 0.04) == pytest.approx(planned + 4 * saves)
+    request.append_token(7)
+    request.append_token(7)  # 3 produced: 2 may follow the next one
+    policy.now = first + 3 * planned + 0.03  # 30 ms behind its planned pace
+    assert policy.step_allowance(request, 0.04) == pytest.approx(-0.03 + 2 * saves)
+    request.append_token(7)
+    request.append_token(7)  # 5 produced: the next one is the last
+    policy.now = first + 5 * planned + 0.03  # 30 ms owed, no token left to borrow from
+    assert policy.step_allowance(request, 0.04) == pytest.approx(0.04)  # decodes only
+    request = add(sim, "long", 40, tpot=0.1, max_tokens=100)
+    clocked_step(sim)
+    policy.now = request.metrics.first_token_time
+    assert policy.step_allowance(request, 0.04) == pytest.approx(
+        min(planned + SLO_LOOKAHEAD_TOKENS * saves, SLO_MAX_BANKED_STEPS * planned))
 
 
 def test_a_request_late_for_its_first_token_no_longer_holds_steps_back():
@@ -103,8 +137,9 @@ def test_a_request_late_for_its_first_token_no_longer_holds_steps_back():
     clocked_step(sim)  # both prompts: their first tokens, one within its target, one not
     policy = sim.sched.policy
     policy.now = sim.now + 5.0  # both far behind their pace
-    assert policy.step_allowance(on_time) == pytest.approx(0.1)
-    assert policy.step_allowance(late) == pytest.approx(SLO_MAX_BANKED_STEPS * 0.1)
+    planned = SLO_TPOT_PLANNED_SHARE * 0.1
+    assert policy.step_allowance(on_time, 0.2) == pytest.approx(0.2)  # the decodes alone
+    assert policy.step_allowance(late, 0.2) == pytest.approx(SLO_MAX_BANKED_STEPS * planned)
 
 
 @pytest.mark.parametrize("tpot", [0.05, math.inf])
@@ -136,6 +171,24 @@ def test_least_slack_first_across_targets():
     out = clocked_step(sim)
     assert chunk_of(out, "urgent").num_tokens == 400
     assert chunk_of(out, "relaxed").num_tokens == BUDGET - 400
+
+
+def test_a_long_prompt_that_would_make_a_burst_miss_is_set_aside():
+    """All four alone could each make 1.2 s, but not together: serving the long prompt (about
+    1.0 s of prefill) first would make the third short one miss, so the long one goes last
+    (three deadlines met rather than two); with one short request both fit, by deadline."""
+    sim = slo_sim()
+    add(sim, "long", 1000, ttft=1.2)
+    shorts = [add(sim, f"short-{i}", 100, ttft=1.2) for i in range(3)]
+    out = clocked_step(sim)
+    assert [chunk_of(out, f"short-{i}").num_tokens for i in range(3)] == [100] * 3
+    assert chunk_of(out, "long").num_tokens == BUDGET - 300
+    assert all(r.metrics.time_to_first_token <= 1.2 for r in shorts)
+    sim = slo_sim()
+    add(sim, "long", 1000, ttft=1.2)
+    add(sim, "short", 100, ttft=1.2)
+    out = clocked_step(sim)
+    assert chunk_of(out, "long").num_tokens == BUDGET and chunk_of(out, "short") is None
 
 
 def test_a_hopeless_prompt_yields_until_it_has_aged():
@@ -180,7 +233,12 @@ def test_steps_keep_to_what_the_decodes_allow_and_nothing_starves(workload):
         if not pending and not sim.sched.has_unfinished_requests():
             break
         decided_at = policy.now = sim.now
-        allowance = {i: policy.step_allowance(r) for i, r in sim.all.items()}
+        # what the policy reads: the predicted time of a step of the running decodes alone
+        decoding = [r for r in sim.sched.running
+                    if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        alone = policy.model.predict(
+            StepShape.of_decodes([r.num_computed_tokens + 1 for r in decoding]))
+        allowance = {i: policy.step_allowance(r, alone) for i, r in sim.all.items()}
         out = clocked_step(sim)
         decodes = [sim.all[c.request_id] for c in out.chunks if c.num_tokens == 1
                    and sim.all[c.request_id].num_output_tokens > 1]

@@ -120,7 +120,6 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
             output_len: int, runs: int) -> Dict[str, Any]:
     """Each engine (label -> engine) at each batch size, runs alternating between engines."""
     rng = np.random.default_rng(0)
-    first = next(iter(engines.values()))
     for engine in engines.values():
         decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
     # The machine's limits before and after the runs, the better of each kept: a noisy

@@ -39,8 +39,11 @@ def replay(engine: LLMEngine, timed: Schedule,
         while pending and start + pending[0][1][0] <= now:
             index, (offset, request) = pending.popleft()
             request_id = str(index)
+            # Its arrival on the engine's clock is its scheduled time, as a server stamps a
+            # request on receipt, though the engine only sees it once the running step ends.
             engine.add_request(request_id, request.engine_prompt(),
-                               bench_params(request.output_len))
+                               bench_params(request.output_len),
+                               arrival_time=time.monotonic() - (now - start - offset))
             timelines[request_id] = RequestTimeline(start + offset, request.prompt_len, 0,
                                                     group=request.group)
         if not engine.has_unfinished_requests():

@@ -10,6 +10,7 @@ each prompt's chunk. `fcfs` and `priority` cap chunks at a fixed size
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -21,9 +22,9 @@ from fulcrum.core.step_time_model import StepShape, StepTimeModel
 SortKey = Tuple
 # priority: a waiting request gains one priority level for every this many seconds it waits.
 PRIORITY_AGING_S = 10.0
-# slo: a request that would miss its TTFT target anyway yields to those that can still make
-# theirs, until it has waited this many times its target plus its own prefill time (so a
-# long prompt does not jump the queue merely for being long); then it goes first.
+# slo: a prompt set aside so that more prompts make their TTFT targets yields to the others
+# until it has waited this many times its target plus its own prefill time (so a long
+# prompt does not jump the queue merely for being long); then it goes first.
 SLO_AGING_FACTOR = 2.0
 # slo: an aged prompt gets at least this many tokens a step, even past the step-time cap.
 SLO_AGED_MIN_CHUNK = 16
@@ -31,6 +32,15 @@ SLO_AGED_MIN_CHUNK = 16
 # target, on average) lets a step take up to this many times the target, spending the time
 # it banked; never more, so no single gap between tokens grows without bound.
 SLO_MAX_BANKED_STEPS = 4.0
+# slo: a decoding request may also spend now the time its next tokens will save: counted over
+# at most this many of them (never past its max_tokens), each at the predicted time of a step
+# of the running decodes alone. Long steps then carry whole bursts of prompts while the
+# streams' mean time per token still meets the target; a request that ends sooner than its
+# max_tokens (a stop token) within these few tokens can miss it.
+SLO_LOOKAHEAD_TOKENS = 8
+# slo: steps are planned against this share of each TPOT target, so that a stream kept at its
+# planned pace is not pushed past its target by the step-time model's errors.
+SLO_TPOT_PLANNED_SHARE = 0.9
 
 
 class PrefillLimit:
@@ -174,11 +184,16 @@ class SloPolicy(FcfsPolicy):
     delays a prompt finishing in it by one TPOT target at most (`StepTimeLimit.add`), so a
     long prompt shares steps with decodes without stretching their time per token; with no
     decode in the step there is no cap but the token budget, so a lone long prompt gets
-    whole steps. Prompts go least slack first: slack is the time left to the TTFT deadline
-    (arrival + target) minus the predicted time of the prompt's remaining prefill. A prompt
-    that cannot make its deadline anyway yields to those that still can, rather than making
-    them miss too, until it has waited SLO_AGING_FACTOR times its target and its own prefill
-    time (bounded aging).
+    whole steps.
+
+    Prompts are ordered to meet as many TTFT deadlines (arrival + target) as possible: by
+    deadline, except that wherever the predicted prefill times of the prompts so far would
+    make one miss its deadline, the longest of them is set aside (Moore and Hodgson's rule,
+    which maximises the deadlines met on one machine). So a burst of short requests behind a
+    long prompt goes first, and a prompt that cannot make its deadline yields to those that
+    can, rather than making them miss too. Set-aside prompts still fill what the step has
+    left, oldest first, and a prompt that has waited SLO_AGING_FACTOR times its target and its
+    own prefill time goes first (bounded aging: nothing starves).
     """
 
     name = "slo"
@@ -192,41 +207,76 @@ class SloPolicy(FcfsPolicy):
         own = self.model.prefill_seconds(0, request.num_prompt_tokens)
         return self.now - request.arrival_time > SLO_AGING_FACTOR * (request.slo.ttft_s + own)
 
-    def slack(self, request: Request) -> float:
+    def prefill_seconds(self, request: Request) -> float:
+        """Predicted time of the request's remaining prefill."""
         start = request.num_computed_tokens
-        prefill = self.model.prefill_seconds(start, request.num_tokens - start)
-        return request.arrival_time + request.slo.ttft_s - self.now - prefill
-
-    def urgency(self, request: Request) -> SortKey:
-        # A request resuming after a preemption is stalled mid-answer: it goes first.
-        if request.metrics.first_token_time is not None or self.is_aged(request):
-            return (0, -math.inf, request.arrival_time)
-        slack = self.slack(request)
-        return (1 if slack < 0 else 0, slack, request.arrival_time)
+        return self.model.prefill_seconds(start, request.num_tokens - start)
 
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
-        return sorted(candidates, key=self.urgency)
+        # A request resuming after a preemption is stalled mid-answer: it goes first, with
+        # the aged ones.
+        first = [r for r in candidates
+                 if r.metrics.first_token_time is not None or self.is_aged(r)]
+        chosen = set(map(id, first))
+        by_deadline = sorted((r for r in candidates if id(r) not in chosen),
+                             key=lambda r: (r.arrival_time + r.slo.ttft_s, r.arrival_time))
+        finish = self.now + sum(map(self.prefill_seconds, first))
+        kept: List[Tuple[float, int, Request]] = []  # a max-heap on prefill time
+        set_aside: List[Request] = []
+        for order, request in enumerate(by_deadline):
+            cost = self.prefill_seconds(request)
+            heapq.heappush(kept, (-cost, order, request))
+            finish += cost
+            if finish > request.arrival_time + request.slo.ttft_s:
+                longest, _, dropped = heapq.heappop(kept)
+                finish += longest
+                set_aside.append(dropped)
+        on_time = {id(r) for _, _, r in kept}
+        return (first + [r for r in by_deadline if id(r) in on_time]
+                + sorted(set_aside, key=lambda r: (r.arrival_time, r.request_id)))
 
-    def step_allowance(self, request: Request) -> float:
-        """How long this step may take without `request` missing its TPOT target, read as
-        vLLM's benchmarks and goodput read it: the mean time per output token after the first.
+    def step_allowance(self, request: Request, decode_step: float = 0.0) -> float:
+        """How long this step may take without `request` missing its TPOT target (planned at
+        SLO_TPOT_PLANNED_SHARE of it), read as vLLM's benchmarks and goodput read it: the
+        mean time per output token after the first.
         Its n-th token after the first is due n targets after the first token; a request
-        ahead of that pace may wait longer than one target for its next token (at most
-        SLO_MAX_BANKED_STEPS targets), one behind it gets one target.
+        ahead of that pace may wait longer than one target for its next token, and so may
+        one whose next tokens (up to SLO_LOOKAHEAD_TOKENS, never past its max_tokens) will
+        come faster than the target in steps of the decodes alone (`decode_step` seconds);
+        never more than SLO_MAX_BANKED_STEPS targets. A request behind even that pace may
+        still be ahead of the pace of its whole target: it gets what that leaves it (at most
+        one target), so that a server whose decodes alone nearly fill the planned pace still
+        lets prompts in; behind that too, it gets a step of the decodes alone, which catches
+        it up (the time it borrowed from its next tokens is repaid as they run out).
 
         A request whose first token came after its TTFT target cannot meet its targets
         whatever its pace from now on: like a prompt that will miss its deadline anyway, it
         no longer holds the others back, and gets the loosest allowance (its stream still
         moves, never more than SLO_MAX_BANKED_STEPS targets between tokens). Under overload
         that lets prompts that can still make their deadlines into the steps."""
+        # Runs for every decode of a step that takes prompt tokens: plain comparisons, no
+        # builtins, ~1 us a request.
         metrics = request.metrics
-        target, first = metrics.slo.tpot_s, metrics.first_token_time
+        slo, first = metrics.slo, metrics.first_token_time
+        target = SLO_TPOT_PLANNED_SHARE * slo.tpot_s
         if first is None or target == math.inf:
             return target
-        if first - request.arrival_time > metrics.slo.ttft_s:
-            return SLO_MAX_BANKED_STEPS * target
-        due = first + (len(request.all_token_ids) - request.num_prompt_tokens) * target
-        return min(max(due - self.now, target), SLO_MAX_BANKED_STEPS * target)
+        most = SLO_MAX_BANKED_STEPS * target
+        if first - request.arrival_time > slo.ttft_s:
+            return most
+        produced = len(request.all_token_ids) - request.num_prompt_tokens
+        allowance = first + produced * target - self.now
+        later = request.max_tokens - produced - 1
+        if later > 0 and target > decode_step:
+            allowance += (later if later < SLO_LOOKAHEAD_TOKENS else SLO_LOOKAHEAD_TOKENS) \
+                * (target - decode_step)
+        if allowance >= decode_step:
+            return most if allowance > most else allowance
+        # Behind its planned pace: up to where its whole target puts its next token, if that
+        # is still ahead, else a step of the decodes alone, to catch up.
+        ahead = first + produced * slo.tpot_s - self.now
+        ahead = slo.tpot_s if ahead > slo.tpot_s else ahead
+        return ahead if ahead > decode_step else decode_step
 
     def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         if not chunked:
@@ -234,7 +284,8 @@ class SloPolicy(FcfsPolicy):
         def budget() -> Tuple[StepShape, float]:
             # Over every decode (256 and more): one pass of plain arithmetic each.
             shape = StepShape.of_decodes([r.num_computed_tokens + 1 for r in decodes])
-            return shape, min(map(self.step_allowance, decodes), default=math.inf)
+            step, allowance = self.model.predict(shape), self.step_allowance
+            return shape, min((allowance(r, step) for r in decodes), default=math.inf)
 
         return StepTimeLimit(self.model, budget, self.is_aged,
                              self.config.long_prefill_token_threshold)
