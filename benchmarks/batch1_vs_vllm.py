@@ -1,4 +1,4 @@
-"""One request decoding alone, fulcrum (bf16, and with int8 weights) beside vLLM's CPU build
+"""One request decoding alone, fulcrum (bf16, and with `--quantization int8`) beside vLLM's CPU build
 (bf16), through the same streaming client: time per output token (TPOT) at batch 1.
 
 Each server runs alone on the machine (vLLM's stopped before fulcrum starts, and so on), on the
@@ -28,7 +28,7 @@ from fulcrum.bench.shapes import shape_dir
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUESTS, PROMPT, OUTPUT, MAX_LEN = 5, 64, 128, 512
 ENGINES = {"fulcrum (bf16)": ("fulcrum", []),
-           "fulcrum (int8 weights)": ("fulcrum", ["--quantization", "int8"]),
+           "fulcrum (int8)": ("fulcrum", ["--quantization", "int8"]),
            "vLLM (bf16)": ("vllm", [])}
 
 

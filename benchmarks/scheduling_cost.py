@@ -9,7 +9,7 @@ and 0, 64 or 1,024 requests waiting, at the engine's defaults (512-token budget,
 The scheduler is driven as tests/test_scheduler.py's `Sim` drives it: fake sampled tokens on
 a simulated clock. The clock moves by each step's time under a synthetic linear cost model,
 and the slo policy reads a `StepTimeModel` seeded by `fit()` on synthetic step shapes (and
-updated after every step, as the engine does), so its deadlines, slacks and step-time caps
+updated after every step, as the engine does), so its deadlines, prefill times and step-time caps
 are real numbers, not infinities. Traffic is steady: every `finish_every` steps one decoding
 request samples its EOS token and ends, and a new request (prompt of 100-2,000 tokens)
 arrives to replace it; the head of the queue takes the freed seat in the next step. So each
@@ -114,7 +114,7 @@ class Scenario:
     seed: int = 0
     # The requests' TTFT target in seconds; None: the engine's default derived from the
     # step-time model (4x a full prompt step). Under a long queue every waiting request is
-    # then past its aging bound; a loose target keeps them in the slack-ordered branch.
+    # then past its aging bound; a loose target keeps them in the deadline-ordered branch.
     ttft_s: Optional[float] = None
 
 
@@ -347,7 +347,7 @@ def scenarios(policies: Sequence[str] = ("slo", "fcfs", "priority"),
               waiting_counts: Sequence[int] = (0, 64, 1024), loose_ttft_s: float = 3600.0,
               **common: object) -> List[Scenario]:
     """Each policy at each waiting count; the slo policy also with a loose TTFT target
-    (`loose_ttft_s`; 0: not), under which waiting requests stay in the slack-ordered branch
+    (`loose_ttft_s`; 0: not), under which waiting requests stay in the deadline-ordered branch
     instead of aging past their target, the costlier path of its ordering."""
     out = []
     for policy in policies:
@@ -485,8 +485,9 @@ def to_markdown(data: Dict[str, object]) -> str:
         "time. Requests carry the engine's derived targets (TTFT "
         f"{slo['ttft_ms']:.0f} ms, TPOT {slo['tpot_ms']:.0f} ms): behind a queue every "
         "waiting request is soon past its aging bound and the slo ordering takes its cheap "
-        "branch, so slo also runs with a loose TTFT target, under which it computes every "
-        "waiting request's slack each step. "
+        "branch, so slo also runs with a loose TTFT target, under which it orders every "
+        "waiting request by deadline, setting aside the longest where one would miss "
+        "(Moore and Hodgson's rule), each step it admits. "
         + (f"Share of waiting requests past their aging bound at the end: {', '.join(aged)}. "
            if aged else "")
         + "Not counted above: the engine's `StepTimeModel.update` after each step (median "
