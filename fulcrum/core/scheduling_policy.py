@@ -215,15 +215,16 @@ class SloPolicy(FcfsPolicy):
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
         # A request resuming after a preemption is stalled mid-answer: it goes first, with
         # the aged ones.
-        first = [r for r in candidates
-                 if r.metrics.first_token_time is not None or self.is_aged(r)]
-        chosen = set(map(id, first))
-        by_deadline = sorted((r for r in candidates if id(r) not in chosen),
-                             key=lambda r: (r.arrival_time + r.slo.ttft_s, r.arrival_time))
+        first: List[Request] = []
+        rest: List[Request] = []
+        for request in candidates:
+            stalled = request.metrics.first_token_time is not None or self.is_aged(request)
+            (first if stalled else rest).append(request)
+        rest.sort(key=lambda r: (r.arrival_time + r.slo.ttft_s, r.arrival_time))
         finish = self.now + sum(map(self.prefill_seconds, first))
         kept: List[Tuple[float, int, Request]] = []  # a max-heap on prefill time
         set_aside: List[Request] = []
-        for order, request in enumerate(by_deadline):
+        for order, request in enumerate(rest):
             cost = self.prefill_seconds(request)
             heapq.heappush(kept, (-cost, order, request))
             finish += cost
@@ -231,8 +232,8 @@ class SloPolicy(FcfsPolicy):
                 longest, _, dropped = heapq.heappop(kept)
                 finish += longest
                 set_aside.append(dropped)
-        on_time = {id(r) for _, _, r in kept}
-        return (first + [r for r in by_deadline if id(r) in on_time]
+        aside = set(map(id, set_aside))
+        return (first + [r for r in rest if id(r) not in aside]
                 + sorted(set_aside, key=lambda r: (r.arrival_time, r.request_id)))
 
     def step_allowance(self, request: Request, decode_step: float = 0.0) -> float:

@@ -83,8 +83,8 @@ class StepTimeModel:
     is not exactly linear, and its small misfit, pushed through the correlations, once drove
     the predicted cost of a prompt to zero. So the fit is regularised (`ridge`) towards the
     coefficients of the start-up profile (`anchor_here`): directions the recent steps do not
-    excite stay where the profile put them, while those they do excite follow the data. Until it has
-    seen a step the model predicts zero.
+    excite stay where the profile put them, while those they do excite follow the data.
+    Until it has seen a step the model predicts zero.
     """
 
     def __init__(self, forgetting: float = 0.98, ridge: float = 1e-3) -> None:
