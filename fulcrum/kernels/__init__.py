@@ -22,13 +22,15 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -241,6 +243,45 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return panels.contiguous()
     sums = (full.sum(dim=1, dtype=torch.int32) * 128).view(-1, panel).contiguous().view(torch.int8)
     return torch.cat([panels.reshape(padded_out // panel, -1), sums], dim=1)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_tensor(nbytes: int) -> torch.Tensor:
+    """`nbytes` of CPU memory (uint8) on 2 MiB pages where Linux allows it (transparent huge
+    pages, asked for with madvise before the memory is first touched), else on ordinary ones.
+
+    Why: a decode step streams every weight once, and attention reads KV blocks all over the
+    cache. On 4 KiB pages each page costs a TLB miss and the hardware prefetchers stop at its
+    edge, so a core's stream stalls every 4 KiB; on 2 MiB pages it runs on (`fulcrum bench
+    latency` measures the bandwidth on such pages too)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # private: a shared anonymous mapping is shmem, which has huge pages of its own setting
+    # whole huge pages from an aligned start: room for one more than `nbytes` needs
+    length = (-(-nbytes // HUGE_PAGE) + 1) * HUGE_PAGE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip:skip + nbytes]
+
+
+def huge_page_tensors(layout: Sequence[Tuple[Sequence[int], torch.dtype]]) -> List[torch.Tensor]:
+    """Uninitialised CPU tensors of `layout`'s (shape, dtype)s side by side, in order (each at
+    a 64-byte boundary), in one `huge_page_tensor`."""
+    sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for shape, dtype in layout]
+    arena = huge_page_tensor(sum(sizes))
+    tensors, offset = [], 0
+    for (shape, dtype), size in zip(layout, sizes):
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append(arena[offset:offset + nbytes].view(dtype).view(shape))
+        offset += size
+    return tensors
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
+from fulcrum import kernels
 from fulcrum.models.attention import AttentionBackend
 from fulcrum.config import EngineConfig
 from fulcrum.models.layers import KVCache
@@ -103,5 +104,9 @@ def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
     ever use from the start."""
     k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, spec.num_kv_heads,
                                             spec.head_dim)
+    if device.type == "cpu":  # huge pages: attention reads blocks all over the cache
+        tensors = [t.zero_() for t in kernels.huge_page_tensors(
+            [(k_shape, dtype), (v_shape, dtype)] * spec.num_layers)]
+        return list(zip(tensors[::2], tensors[1::2]))
     return [(torch.zeros(k_shape, dtype=dtype, device=device),
              torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]
