@@ -258,9 +258,9 @@ def huge_page_tensor(nbytes: int) -> torch.Tensor:
     latency` measures the bandwidth on such pages too)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
-    # private: a shared anonymous mapping is shmem, which has huge pages of its own setting
     # whole huge pages from an aligned start: room for one more than `nbytes` needs
     length = (-(-nbytes // HUGE_PAGE) + 1) * HUGE_PAGE
+    # private: a shared anonymous mapping is shmem, which has huge pages of its own setting
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
