@@ -13,7 +13,7 @@ import pytest
 
 from fulcrum.bench.datasets import SampleRequest
 from fulcrum.bench.report import free_port, running_server
-from fulcrum.bench.serve import parse_sse_line, run_load
+from fulcrum.bench.serve import CLIENT_LIMITS, parse_sse_line, run_load
 
 
 def _sse(*chunks) -> bytes:
@@ -24,6 +24,13 @@ def test_parse_sse_line():
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}
     assert parse_sse_line("data: [DONE]") is None
     assert parse_sse_line(": keep-alive") is None and parse_sse_line("") is None
+
+
+def test_the_client_drops_idle_connections_before_the_server_does():
+    """Else a request sent on a connection the server is closing fails with ReadError."""
+    import uvicorn
+
+    assert CLIENT_LIMITS.keepalive_expiry < uvicorn.Config(app=None).timeout_keep_alive
 
 
 def test_run_load_streams_token_ids_and_reads_usage():

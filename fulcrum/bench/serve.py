@@ -106,7 +106,14 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
     return models[0]["id"]
 
 
+# No connection cap: the schedule and --max-concurrency set the load. Idle connections are
+# reused for 2 s at most: uvicorn (fulcrum's server and vLLM's) closes one idle for 5 s, and a
+# client that also keeps it 5 s may send on it just as the server closes it; that request
+# then fails (ReadError) through no fault of the server.
+CLIENT_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                             keepalive_expiry=2.0)
+
+
 def make_client() -> httpx.AsyncClient:
-    """No timeout and no connection cap: the schedule and --max-concurrency set the load."""
-    return httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
-                                                               max_keepalive_connections=None))
+    """No timeout and `CLIENT_LIMITS`."""
+    return httpx.AsyncClient(timeout=None, limits=CLIENT_LIMITS)
