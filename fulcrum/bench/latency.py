@@ -8,12 +8,13 @@ The model runs with its weights as loaded and with int8 (`--quantizations`),
 side by side: runs alternate between the two engines, so the machine's drifts hit both.
 
 The machine's limits are measured here too, on the same cores, before and after the runs (the
-best kept): the memory bandwidth (summing a 512 MiB float32 array) and the matrix-multiply
-peak of each engine's number format (its own gate/up projection on 512 rows). A decode
-step must read every weight once (plus the KV cache of every request) and do 2 FLOPs per
-weight per request (plus attention), so its least possible time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report
-gives each batch size's share of that bound: 100% would be a step that only streams weights
-and multiplies, with nothing else in the way.
+best kept): the memory bandwidth (summing a 512 MiB float32 array on huge pages, as the
+weights are) and the matrix-multiply peak of each engine's number format (its own gate/up
+projection on 512 rows). A decode step must read every weight once (plus the KV cache of
+every request) and do 2 FLOPs per weight per request (plus attention), so its least possible
+time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report gives each batch
+size's share of that bound: 100% would be a step that only streams weights and multiplies,
+with nothing else in the way.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def measure_bandwidth(repeats: int = 8) -> float:
 def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> float:
     """Multiply-add throughput (FLOP/s) of the model's own MLP projection (gate and up,
     its largest matrix but the LM head, whose huge output is memory work) on 512 rows: the best
-    a step's matrix work can do, in the model's number format (int8 products run at twice
-    bf16's rate). Best of `repeats`."""
+    a step's matrix work can do, in the model's number format (int8 products have a rate of
+    their own, not always bf16's). Best of `repeats`."""
     layer = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     rows = torch.randn(512, layer.in_features, dtype=dtype)
     best = float("inf")

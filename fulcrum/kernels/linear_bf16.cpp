@@ -19,8 +19,9 @@
 // weights: widening int8 panels to bf16 in registers took several instructions per 16
 // weights, so weight-only int8 was bound by arithmetic, not by reading its half-size weights.
 // (Per instruction vpdpbusd does twice vdpbf16ps's work; CPUs that split 512-bit work in
-// halves, Zen 4, issue it at half the rate, so large batches gain nothing there.) vpdpbusd multiplies unsigned by signed bytes, so a row is stored as
-// q + 128 and each panel ends with its columns' weight sums times 128, which are subtracted.
+// halves, Zen 4, issue it at half the rate, so large batches gain nothing there.)
+// vpdpbusd multiplies unsigned by signed bytes, so a row is stored as q + 128 and each panel
+// ends with its columns' weight sums times 128, which are subtracted.
 // Quantizing a row depends on that row alone: results do not depend on the batch.
 #include <cstdint>
 #include <cstring>
