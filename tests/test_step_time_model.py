@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fulcrum.core import step_time_model
 from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 # A plausible CPU: 4 ms a step, 0.9 ms a prompt token, 0.2 ms a decode token, attention
@@ -89,6 +90,29 @@ def test_follows_a_machine_that_slows_down():
     for _ in range(20):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(truth(shape, 2.0), rel=0.02)
+
+
+def test_once_warm_the_fit_is_solved_every_few_steps_from_all_of_them():
+    """Solving is the costly part of an update; the sums still take in every step, so the
+    coefficients after a solve are those of a model solved at every step."""
+    rng = random.Random(5)
+    lazy, eager = StepTimeModel(), StepTimeModel()
+    shapes = [random_shape(rng) for _ in range(40)]
+    for index, shape in enumerate(shapes, start=1):
+        before = lazy.coefficients
+        lazy.update(shape, truth(shape))
+        eager.update(shape, truth(shape))
+        eager._solve()
+        if index <= step_time_model._WARM_UPDATES or index % step_time_model._SOLVE_EVERY == 0:
+            assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-9)
+        else:
+            assert lazy.coefficients == before
+    lazy.update(shapes[0], 2 * truth(shapes[0]))
+    eager.update(shapes[0], 2 * truth(shapes[0]))
+    lazy.anchor_here()  # solves the step seen since the last solve
+    eager.anchor_here()
+    assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-9)
+    assert lazy.anchor == pytest.approx(eager.anchor, rel=1e-9)
 
 
 def test_no_wind_up_after_many_identical_steps():

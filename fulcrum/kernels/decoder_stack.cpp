@@ -1,13 +1,16 @@
 // The whole decoder stack of one step in one native call (bf16 on CPU, the varlen attention
-// backend): for every layer, norm -> QKV -> RoPE -> KV write -> attention -> O -> norm ->
-// gate/up -> SiLU*up -> down, with the residual adds fused into the norms, exactly as the
-// Python layers do it and through the same kernels (their entry points are handed in), so
-// the results are the same bit for bit. What it removes is the Python between the kernels:
-// a decode step of a 30-layer model makes ~360 kernel calls, each with its own wrapper,
-// allocation and ctypes crossing, which cost about as much as streaming the weights at
-// batch 1. Under tensor parallelism (a rank's share of the layers), the partial sums of the
-// O and down projections are added across ranks by the all-reduce handed in (shared memory,
-// kernels/shm_collectives.cpp), as the Python layers' row-parallel linears do.
+// backend): the embedding lookup, then for every layer norm -> QKV -> RoPE -> KV write ->
+// attention -> O -> norm -> gate/up -> SiLU*up -> down, then the model's final norm, with the
+// residual adds fused into the norms, exactly as the Python layers do it and through the same
+// kernels (their entry points are handed in), so the results are the same bit for bit. What
+// it removes is the Python between the kernels: a decode step of a 30-layer model makes ~360
+// kernel calls, each with its own wrapper, allocation and ctypes crossing, which cost about as
+// much as streaming the weights at batch 1. The lookup and the final norm are here too
+// because any Python call next to the forward pass runs cold, the weights having just swept
+// the caches: one norm of one row then costs ~15x what it costs warm. Under tensor parallelism
+// (a rank's share of the layers and of the vocabulary), the partial sums of the embedding and
+// of the O and down projections are added across ranks by the all-reduce handed in (shared
+// memory, kernels/shm_collectives.cpp), as the Python layers do.
 #include <cstdint>
 #include <cstring>
 
@@ -56,6 +59,7 @@ struct Layer {
 };
 
 struct Dims {
+  int64_t vocab_start, vocab_end;  // the embedding rows this rank holds
   int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
   int block_size, max_blocks, window, num_threads;
   float eps, scale;
@@ -63,13 +67,30 @@ struct Dims {
 
 struct Step {
   int num_tokens, num_seqs;
-  uint16_t* hidden;    // in: the embeddings [T, hidden]; out: the last layer's output
-  uint16_t* residual;  // out: the residual stream [T, hidden] (the final norm adds it)
-  uint16_t *normed, *qkv, *q, *attn, *gate_up, *act;  // scratch
+  const int64_t* token_ids;
+  const uint16_t* embedding;   // this rank's rows of the table [vocab_end - vocab_start, hidden]
+  const uint16_t* final_norm;  // the final norm's weight [hidden]
+  uint16_t* normed;            // out: the final norm's output [T, hidden]
+  uint16_t *hidden, *residual, *qkv, *q, *attn, *gate_up, *act;  // scratch
   const int64_t* positions;
   const float *cos, *sin;
   const int64_t *slots, *tables, *query_start, *seq_lens;
 };
+
+// Each token's row of the table; a row another rank holds is zero here, and the all-reduce
+// (if any) fills it in.
+static int embed(const Kernels& k, const Dims& d, const Step& s) {
+  const int64_t H = d.hidden;
+  for (int t = 0; t < s.num_tokens; ++t) {
+    const int64_t id = s.token_ids[t];
+    uint16_t* row = s.hidden + t * H;
+    if (id >= d.vocab_start && id < d.vocab_end)
+      std::memcpy(row, s.embedding + (id - d.vocab_start) * H, sizeof(uint16_t) * H);
+    else
+      std::memset(row, 0, sizeof(uint16_t) * H);
+  }
+  return k.all_reduce ? k.all_reduce(k.all_reduce_group, s.hidden, s.num_tokens * H) : 0;
+}
 
 static int project(const Kernels& k, const Projection& p, const uint16_t* x, int rows, int in,
                    int out, uint16_t* y, int threads) {
@@ -88,7 +109,7 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
   const int T = s.num_tokens, H = d.hidden, threads = d.num_threads;
   const int q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
   const int qkv_size = q_size + 2 * kv_size;
-  int status = 0;
+  int status = embed(k, d, s);
   for (int l = 0; l < d.num_layers && !status; ++l) {
     const Layer& layer = layers[l];
     if (l == 0) {
@@ -121,6 +142,9 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
     status |= project(k, layer.down, s.act, T, d.intermediate, H, s.hidden, threads);
     if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
   }
+  if (!status)
+    status |= k.rms_norm(s.hidden, H, s.residual, s.final_norm, s.normed, H, T, H, d.eps,
+                         threads);
   return status;
 }
 

@@ -305,10 +305,9 @@ class DecoderModel(nn.Module):
         self.native: Optional[NativeStack] = None  # set once the weights are packed
 
     def forward(self, input_ids, positions, kv_caches: List[KVCache], meta: AttentionMetadata):
+        if self.native is not None and self.native.fits(input_ids.shape[0]):
+            return self.native(input_ids, positions, kv_caches, meta)
         hidden = self.embed_tokens(input_ids)
-        if self.native is not None and self.native.fits(hidden.shape[0]):
-            hidden, residual = self.native(hidden, positions, kv_caches, meta)
-            return self.norm(hidden, residual)[0]
         rope = self.rotary.table(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

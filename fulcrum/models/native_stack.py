@@ -3,8 +3,8 @@
 Used where every piece has its native kernel: bf16 on a CPU with AVX512-BF16, the varlen
 attention backend, packed linear layers (bf16 or int8) and no per-head q/k norm. It runs the
 same kernels in the same order as the Python layers, so its outputs are the same bit for bit;
-what it saves is the Python between ~12 kernel calls a layer, which at batch 1 costs about as
-much as reading the weights.
+what it saves is the Python between ~12 kernel calls a layer (and around the embedding lookup
+and the final norm), which at batch 1 costs about as much as reading the weights.
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ class _Layer(ctypes.Structure):
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [(name, _I) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                                        "head_dim", "intermediate", "block_size", "max_blocks",
-                                        "window", "num_threads")] + [("eps", _F), ("scale", _F)]
+    _fields_ = [("vocab_start", ctypes.c_int64), ("vocab_end", ctypes.c_int64)] + [
+        (name, _I) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                "intermediate", "block_size", "max_blocks", "window",
+                                "num_threads")] + [("eps", _F), ("scale", _F)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I), ("num_seqs", _I)] + [
-        (name, _P) for name in ("hidden", "residual", "normed", "qkv", "q", "attn", "gate_up",
-                                "act", "positions", "cos", "sin", "slots", "tables",
-                                "query_start", "seq_lens")]
+        (name, _P) for name in ("token_ids", "embedding", "final_norm", "normed", "hidden",
+                                "residual", "qkv", "q", "attn", "gate_up", "act", "positions",
+                                "cos", "sin", "slots", "tables", "query_start", "seq_lens")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,8 +94,17 @@ class NativeStack:
                          head_dim=spec.head_dim,
                          intermediate=first.mlp.down_proj.in_features,
                          eps=first.input_layernorm.eps, scale=spec.scale)
+        q_size = spec.num_heads * spec.head_dim
+        hidden, intermediate = self.dims["hidden"], self.dims["intermediate"]
+        # The step's scratch (hidden, residual, qkv, q, attn, gate_up, act) is one allocation:
+        # where each part starts, in elements per token, 64-byte aligned.
+        widths = (hidden, hidden, q_size + 2 * spec.num_kv_heads * spec.head_dim, q_size,
+                  q_size, 2 * intermediate, intermediate)
+        padded = [-(-w // 32) * 32 for w in widths]
+        self._offsets = [sum(padded[:i]) for i in range(len(padded))]
+        self._scratch_width = sum(padded)
         self._layers: Optional[ctypes.Array] = None
-        self._caches: Optional[List[int]] = None
+        self._caches: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @classmethod
     def for_model(cls, model: Any, backend: Any,
@@ -110,7 +120,9 @@ class NativeStack:
         if (not isinstance(backend, CpuVarlenAttentionBackend) or not kernels.has_elementwise()
                 or any(m.packed is None for m in linears)
                 or any(layer.self_attn.q_norm is not None for layer in layers)
-                or model.norm.weight.dtype != torch.bfloat16):
+                or model.norm.weight.dtype != torch.bfloat16
+                or model.embed_tokens.weight.dtype != torch.bfloat16
+                or not model.embed_tokens.weight.is_contiguous()):
             return None
         all_reduce = None
         if group is not None:
@@ -125,9 +137,9 @@ class NativeStack:
         return not self.reduces or tokens * self.dims["hidden"] * 2 <= SLOT_BYTES
 
     def _layer_table(self, kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-        pointers = [t.data_ptr() for cache in kv_caches for t in cache]
-        if pointers != self._caches:
-            self._caches = pointers
+        # A runner hands the same list, never changed, every step; another list rebuilds.
+        if kv_caches is not self._caches:
+            self._caches = kv_caches
             self._layers = (_Layer * len(self.model.layers))(*[
                 _Layer(_projection(layer.self_attn.qkv_proj), _projection(layer.self_attn.o_proj),
                        _projection(layer.mlp.gate_up_proj), _projection(layer.mlp.down_proj),
@@ -137,32 +149,31 @@ class NativeStack:
                 for layer, cache in zip(self.model.layers, kv_caches)])
         return self._layers
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: List[Tuple[torch.Tensor, torch.Tensor]],
-                 meta: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream) for embeddings `hidden` [T, H]."""
+                 meta: Any) -> torch.Tensor:
+        """The final norm's output [T, H] for the tokens `input_ids` [T]."""
         d = self.dims
-        tokens = hidden.shape[0]
-        q_size = d["num_heads"] * d["head_dim"]
-        qkv_size = q_size + 2 * d["num_kv_heads"] * d["head_dim"]
-        empty = lambda width: torch.empty(tokens, width, dtype=torch.bfloat16)  # noqa: E731
-        hidden = hidden.contiguous()
-        residual, normed = empty(d["hidden"]), empty(d["hidden"])
-        qkv, q, attn = empty(qkv_size), empty(q_size), empty(q_size)
-        gate_up, act = empty(2 * d["intermediate"]), empty(d["intermediate"])
+        tokens = input_ids.shape[0]
+        normed = torch.empty(tokens, d["hidden"], dtype=torch.bfloat16)
+        scratch = torch.empty(tokens * self._scratch_width, dtype=torch.bfloat16)
+        base = scratch.data_ptr()
+        parts = [base + 2 * tokens * offset for offset in self._offsets]
         k_cache = kv_caches[0][0]
-        dims = _Dims(d["num_layers"], d["hidden"], d["num_heads"], d["num_kv_heads"],
-                     d["head_dim"], d["intermediate"], k_cache.shape[3],
-                     meta.block_tables.shape[1], meta.sliding_window,
+        embedding = self.model.embed_tokens
+        dims = _Dims(embedding.start, embedding.end, d["num_layers"], d["hidden"],
+                     d["num_heads"], d["num_kv_heads"], d["head_dim"], d["intermediate"],
+                     k_cache.shape[3], meta.block_tables.shape[1], meta.sliding_window,
                      torch.get_num_threads(), d["eps"], d["scale"])
         rotary = self.model.rotary
-        step = _Step(tokens, meta.seq_lens.shape[0], *[t.data_ptr() for t in (
-            hidden, residual, normed, qkv, q, attn, gate_up, act, positions, rotary.cos,
-            rotary.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens)])
+        step = _Step(tokens, meta.seq_lens.shape[0], input_ids.data_ptr(),
+                     embedding.weight.data_ptr(), self.model.norm.weight.data_ptr(),
+                     normed.data_ptr(), *parts, *[t.data_ptr() for t in (
+                         positions, rotary.cos, rotary.sin, meta.slot_mapping,
+                         meta.block_tables, meta.query_start_loc, meta.seq_lens)])
         status = self.library.fulcrum_decoder_stack(
             ctypes.addressof(self.kernels), ctypes.addressof(self._layer_table(kv_caches)),
             ctypes.addressof(dims), ctypes.addressof(step))
         if status:
             raise RuntimeError("the native decoder stack failed")
-        return hidden, residual
+        return normed
