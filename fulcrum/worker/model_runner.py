@@ -107,7 +107,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             sampling = hidden if logits_rows is None else hidden[logits_rows]
-            logits = self.model.compute_logits(sampling) if len(sampling) else None
+            logits = self.model.compute_logits(sampling) if sampling.shape[0] else None
         self.last_forward_seconds = time.perf_counter() - start
         return hidden, logits
 
@@ -180,10 +180,11 @@ class ModelRunner:
             meta.prefills = [self._prefill_span(tables[i], int(starts[i]), int(lens[i]),
                                                 int(q_start[i]))
                              for i in range(num_decodes, len(chunks))]
-        sample_rows = np.fromiter((c.sample for c in chunks), bool, len(chunks))
         # None: every row samples (a step of decodes), which spares a gather, ~60 us cold.
-        logits_rows = None if sample_rows.sum() == total else self._tensor(
-            q_end[sample_rows] - 1)
+        logits_rows = None
+        if total != len(chunks) or not all(c.sample for c in chunks):
+            sample_rows = np.fromiter((c.sample for c in chunks), bool, len(chunks))
+            logits_rows = self._tensor(q_end[sample_rows] - 1)
         return self._tensor(token_ids), self._tensor(positions), meta, logits_rows
 
     def _decode_context(self, tables: np.ndarray, context_lens: np.ndarray):
