@@ -1,9 +1,11 @@
 """`fulcrum bench latency` on the tiny model: the steps it times are full-batch decode steps,
-a step's work counts every weight once per step and 2 FLOPs per weight per request, and the
-docs section reads its numbers. No timing assertions."""
+a step's work counts every weight once per step and 2 FLOPs per weight per request, each batch
+size is judged against the bandwidth probed between its own steps, and the docs section reads
+its numbers. No timing assertions."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,14 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
         assert row["steps"] == 2 * 5  # 6 tokens: one from the prefill step, 5 decode steps
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_token"] * 1e3)
         assert 0 < row["share_of_roofline"] and row["bound"] in ("memory", "compute")
-    assert data["machine_limits"]["bandwidth_gb_per_s"] > 0
+    # A probe after every step (each run: one prefill step, then 5 decode steps), and each
+    # batch size judged against the median of its own probes, the same for both engines.
+    probes = data["machine_limits"]["bandwidth_gb_per_s_probes"]
+    assert {batch: len(readings) for batch, readings in probes.items()} == {"1": 24, "3": 24}
+    for i, batch in enumerate(("1", "3")):
+        assert full["rows"][i]["bandwidth_gb_per_s"] == pytest.approx(
+            statistics.median(probes[batch]))
+        assert quantized["rows"][i]["bandwidth_gb_per_s"] == full["rows"][i]["bandwidth_gb_per_s"]
     assert full["matrix_peak_gflops"] > 0 and quantized["matrix_peak_gflops"] > 0
     data["setup"] = {"shape": "tiny", "dtype": "float32", "input_len": 5, "output_len": 6,
                      "machine": {"date": "today"}, "command": "fulcrum bench latency"}

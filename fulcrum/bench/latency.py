@@ -7,10 +7,13 @@ where the whole batch decodes: each request's time per output token at that batc
 The model runs with its weights as loaded and with int8 (`--quantizations`),
 side by side: runs alternate between the two engines, so the machine's drifts hit both.
 
-The machine's limits are measured here too, on the same cores, before and after the runs (the
-best kept): the memory bandwidth (summing a 512 MiB float32 array on huge pages, as the
-weights are) and the matrix-multiply peak of each engine's number format (its own gate/up
-projection on 512 rows). A decode step must read every weight once (plus the KV cache of
+The machine's limits are measured here too, on the same cores: the memory bandwidth by a probe
+(summing a 512 MiB float32 array on huge pages, as the weights are) after every decode step,
+each batch size judged against the median of the probes between its own steps, since this
+machine's bandwidth drifts by up to 2x within a minute (a bound measured once, minutes away,
+would judge a step against another machine); and the matrix-multiply peak of each engine's
+number format (its own gate/up projection on 512 rows), before and after all the runs, the
+better kept. A decode step must read every weight once (plus the KV cache of
 every request) and do 2 FLOPs per weight per request (plus attention), so its least possible
 time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report gives each batch
 size's share of that bound: 100% would be a step that only streams weights and multiplies,
@@ -25,7 +28,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -55,17 +58,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------- machine limits
-def measure_bandwidth(repeats: int = 8) -> float:
-    """Bytes per second read by a reduction over 512 MiB (best of `repeats`), on huge pages
-    as the weights are (kernels.huge_page_tensor): on 4 KiB pages the same sum reads slower,
-    which would flatter every figure judged against it."""
-    data = kernels.huge_page_tensor(BANDWIDTH_BYTES).view(torch.float32).fill_(1.0)
-    best = float("inf")
-    for _ in range(repeats):
+class BandwidthProbe:
+    """Reads of a 512 MiB array on huge pages as the weights are (kernels.huge_page_tensor: on
+    4 KiB pages the same sum reads slower, which would flatter every figure judged against
+    it); each call appends one reading, in bytes per second."""
+
+    def __init__(self) -> None:
+        self.data = kernels.huge_page_tensor(BANDWIDTH_BYTES).view(torch.float32).fill_(1.0)
+        self.readings: List[float] = []
+
+    def __call__(self) -> None:
         start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return BANDWIDTH_BYTES / best
+        self.data.sum()
+        self.readings.append(BANDWIDTH_BYTES / (time.perf_counter() - start))
 
 
 def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -104,8 +109,10 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
 
 
 def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
-                 runs: int, rng: np.random.Generator) -> List[float]:
-    """Wall times (s) of the full-batch decode steps of `runs` runs."""
+                 runs: int, rng: np.random.Generator,
+                 probe: Optional[BandwidthProbe] = None) -> List[float]:
+    """Wall times (s) of the full-batch decode steps of `runs` runs; `probe`, if given,
+    reads the bandwidth after every step."""
     times: List[float] = []
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for run in range(runs):
@@ -115,6 +122,8 @@ def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
                 0, engine.vocab_size, input_len).tolist()}, params)
         while engine.has_unfinished_requests():
             engine.step()
+            if probe is not None:
+                probe()
         times += [s.wall_seconds for s in list(engine.stats)[first:]
                   if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
     return times
@@ -126,26 +135,29 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
     rng = np.random.default_rng(0)
     for engine in engines.values():
         decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
-    # The machine's limits before and after the runs, the better of each kept: a noisy
-    # neighbour in one measurement must not lower the bound the runs are judged against.
-    bandwidth = measure_bandwidth()
     peaks = {label: measure_peak_flops(e.runner.model, e.dtype) for label, e in engines.items()}
     timed: Dict[str, Dict[int, List[float]]] = {label: {b: [] for b in batch_sizes}
                                                 for label in engines}
+    probed: Dict[int, List[float]] = {b: [] for b in batch_sizes}
+    probe = BandwidthProbe()
     for batch in batch_sizes:
+        probe.readings = probed[batch]
         for _ in range(runs):
             for label, engine in engines.items():
                 timed[label][batch] += decode_steps(engine, batch, input_len, output_len, 1,
-                                                    rng)
-    bandwidth = max(bandwidth, measure_bandwidth())
+                                                    rng, probe)
+    bandwidth = {batch: statistics.median(readings) for batch, readings in probed.items()}
+    # The peak before and after the runs, the better kept: a noisy neighbour in one
+    # measurement must not lower the bound the runs are judged against.
     peaks = {label: max(peak, measure_peak_flops(engines[label].runner.model,
                                                  engines[label].dtype))
              for label, peak in peaks.items()}
     context = input_len + output_len // 2  # the mean context of the timed steps
-    return {"machine_limits": {"bandwidth_gb_per_s": bandwidth / 1e9},
+    return {"machine_limits": {"bandwidth_gb_per_s_probes": {
+                str(batch): [r / 1e9 for r in readings] for batch, readings in probed.items()}},
             "engines": {label: {"weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6,
                                 "matrix_peak_gflops": peaks[label] / 1e9,
-                                "rows": [_row(engine, batch, times, context, bandwidth,
+                                "rows": [_row(engine, batch, times, context, bandwidth[batch],
                                               peaks[label])
                                          for batch, times in timed[label].items()]}
                         for label, engine in engines.items()}}
@@ -157,7 +169,8 @@ def _row(engine: LLMEngine, batch: int, times: List[float], context: int, bandwi
     work = step_work(engine, batch, context)
     bound = max(work["bytes"] / bandwidth, work["flops"] / peak)
     return {"batch": batch, "steps": len(times), "ms_per_token": 1e3 * step,
-            "tokens_per_s": batch / step, "roofline_ms": 1e3 * bound,
+            "tokens_per_s": batch / step, "bandwidth_gb_per_s": bandwidth / 1e9,
+            "roofline_ms": 1e3 * bound,
             "roofline_tokens_per_s": batch / bound, "share_of_roofline": bound / step,
             "bound": "memory" if work["bytes"] / bandwidth >= work["flops"] / peak
             else "compute",
@@ -167,13 +180,14 @@ def _row(engine: LLMEngine, batch: int, times: List[float], context: int, bandwi
 
 # ----------------------------------------------------------------- report
 def table(data: Dict[str, Any]) -> List[str]:
-    lines = ["| weights | batch | ms per output token | tokens/s | roofline (ms) | share of "
-             "roofline | bound by | GB/s | GFLOP/s |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| weights | batch | ms per output token | tokens/s | machine's bandwidth (GB/s) "
+             "| roofline (ms) | share of roofline | bound by | GB/s achieved | GFLOP/s achieved |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for label, result in data["engines"].items():
         for r in result["rows"]:
             lines.append(f"| {label} | {r['batch']} | {r['ms_per_token']:.1f} | "
-                         f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.1f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['bandwidth_gb_per_s']:.1f} | "
+                         f"{r['roofline_ms']:.1f} | "
                          f"{100 * r['share_of_roofline']:.0f}% | {r['bound']} | "
                          f"{r['achieved_gb_per_s']:.1f} | {r['achieved_gflops']:.0f} |")
     return lines
@@ -187,16 +201,19 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
                         for label, result in data["engines"].items())
     peaks = ", ".join(f"{label} {result['matrix_peak_gflops']:.0f}"
                       for label, result in data["engines"].items())
+    probes = [r for readings in limits["bandwidth_gb_per_s_probes"].values() for r in readings]
     return ["", "## Latency against the roofline", "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
             "with its weights as loaded and with int8 (`--quantization int8`; the "
             "LM head stays unquantized), runs alternating between the two; "
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
-            "machine's own limit, measured in the same run: memory bandwidth "
-            f"{limits['bandwidth_gb_per_s']:.1f} GB/s (a reduction over 512 MiB on huge pages, "
-            f"as the weights are) and matrix peak in GFLOP/s {peaks} (each engine's own MLP "
-            "projection on 512 rows); a decode step "
+            "machine's own limit, measured in the same run: memory bandwidth by a probe "
+            "after every decode step (a reduction over 512 MiB on huge pages, as the weights "
+            "are), each row judged against the median of the probes between its own steps "
+            f"(the {len(probes)} probes read {min(probes):.1f}-{max(probes):.1f} GB/s: this "
+            f"machine's bandwidth drifts), and matrix peak in GFLOP/s {peaks} (each engine's "
+            "own MLP projection on 512 rows); a decode step "
             f"must read its weights ({weights}) plus the KV cache. "
             f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
