@@ -138,10 +138,10 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
     peaks = {label: measure_peak_flops(e.runner.model, e.dtype) for label, e in engines.items()}
     timed: Dict[str, Dict[int, List[float]]] = {label: {b: [] for b in batch_sizes}
                                                 for label in engines}
-    probed: Dict[int, List[float]] = {b: [] for b in batch_sizes}
+    probed: Dict[int, List[float]] = {}
     probe = BandwidthProbe()
     for batch in batch_sizes:
-        probe.readings = probed[batch]
+        probe.readings = probed[batch] = []  # the probes between this batch size's steps
         for _ in range(runs):
             for label, engine in engines.items():
                 timed[label][batch] += decode_steps(engine, batch, input_len, output_len, 1,
