@@ -166,6 +166,44 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
         torch.testing.assert_close(got[rows].double(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
+                    reason="no AVX512-BF16 attention kernel on this machine")
+@pytest.mark.parametrize("num_kv_heads", [3, 4])
+@pytest.mark.parametrize("lens", [[70], [70, 33]])
+def test_paged_varlen_attention_shares_few_decodes_out_by_head_and_reads_queries_in_place(
+        num_kv_heads, lens):
+    """With fewer decodes than threads, each decode's KV heads are split between threads;
+    the answer must not change with the thread count (bit for bit) and must match float64.
+    Queries read in place from wider rows (the fused QKV output) give the same bits as a
+    contiguous copy."""
+    generator = torch.Generator().manual_seed(num_kv_heads + len(lens))
+    group, head_dim, block_size = 3, 64, 16
+    k_cache, v_cache, tables = _paged_cache(lens, num_kv_heads, head_dim, block_size,
+                                            torch.bfloat16, generator)
+    pair_k, pair_v = _to_pair_layout(k_cache, v_cache, tables, lens)
+    q_size = num_kv_heads * group * head_dim
+    qkv = torch.randn(len(lens), q_size + 2 * num_kv_heads * head_dim,
+                      generator=generator).bfloat16()
+    q = qkv[:, :q_size].view(len(lens), num_kv_heads * group, head_dim)
+    query_start = torch.arange(len(lens) + 1)
+    seq_lens, scale = torch.tensor(lens), head_dim ** -0.5
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            got[count] = kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
+                                                        seq_lens, scale, 0)
+        copied = kernels.paged_varlen_attention(q.contiguous(), pair_k, pair_v, tables,
+                                                query_start, seq_lens, scale, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[2], got[1]) and torch.equal(got[4], got[1])
+    assert torch.equal(copied, got[1])
+    reference = _reference_decode(q, k_cache, v_cache, tables, seq_lens, scale, 0)
+    torch.testing.assert_close(got[2].double(), reference, atol=2e-2, rtol=2e-2)
+
+
 needs_elementwise = pytest.mark.skipif(
     not kernels.has_elementwise(),
     reason="no C++ compiler")

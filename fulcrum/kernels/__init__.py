@@ -108,9 +108,9 @@ def paged_attention() -> Optional[ctypes.CDLL]:
         pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         for name in _ENTRY.values():
             _declare(library, name, [pointer] * 6 + [i32] * 6 + [f32, i32, i32])
-        _declare(library, "paged_varlen_attention_bf16",
-                 [pointer] * 7 + [i32] * 6 + [f32, i32, i32])
         i64 = ctypes.c_int64
+        _declare(library, "paged_varlen_attention_bf16",
+                 [pointer, i64] + [pointer] * 6 + [i32] * 6 + [f32, i32, i32])
         _declare(library, "paged_write_kv_bf16",
                  [pointer, i64, pointer, i64, pointer, pointer, pointer] + [i32] * 4)
     return library
@@ -189,14 +189,17 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, query_start: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """q: [T, Hq, D], the step's query tokens grouped by sequence (`query_start`, [S + 1]);
-    sequence s's rows are the newest tokens of its seq_lens[s]-token context. Caches in the
-    pair layouts of `varlen_cache_shapes`."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    _, num_heads, head_dim = q.shape
+    sequence s's rows are the newest tokens of its seq_lens[s]-token context. Each token's
+    heads contiguous, tokens any stride (a view into the fused QKV output is read in place).
+    Caches in the pair layouts of `varlen_cache_shapes`."""
+    tokens, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     status = paged_attention().paged_varlen_attention_bf16(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(),
         query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale, window,
         torch.get_num_threads())

@@ -27,9 +27,9 @@ typedef int (*RopeFn)(uint16_t*, int64_t, const int64_t*, const float*, const fl
                       int, int);
 typedef int (*WriteKvFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*,
                          uint16_t*, const int64_t*, int, int, int, int);
-typedef int (*AttentionFn)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                           const int64_t*, const int64_t*, uint16_t*, int, int, int, int, int,
-                           int, float, int, int);
+typedef int (*AttentionFn)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*,
+                           const int64_t*, const int64_t*, const int64_t*, uint16_t*, int, int,
+                           int, int, int, int, float, int, int);
 typedef int (*AllReduceFn)(const void*, uint16_t*, int64_t);
 
 struct Kernels {
@@ -71,7 +71,7 @@ struct Step {
   const uint16_t* embedding;   // this rank's rows of the table [vocab_end - vocab_start, hidden]
   const uint16_t* final_norm;  // the final norm's weight [hidden]
   uint16_t* normed;            // out: the final norm's output [T, hidden]
-  uint16_t *hidden, *residual, *qkv, *q, *attn, *gate_up, *act;  // scratch
+  uint16_t *hidden, *residual, *qkv, *attn, *gate_up, *act;  // scratch
   const int64_t* positions;
   const float *cos, *sin;
   const int64_t *slots, *tables, *query_start, *seq_lens;
@@ -127,12 +127,10 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
     status |= k.write_kv(s.qkv + q_size, qkv_size, s.qkv + q_size + kv_size, qkv_size,
                          layer.k_cache, layer.v_cache, s.slots, T, d.num_kv_heads, d.head_dim,
                          threads);
-    for (int t = 0; t < T; ++t)
-      std::memcpy(s.q + static_cast<int64_t>(t) * q_size,
-                  s.qkv + static_cast<int64_t>(t) * qkv_size, sizeof(uint16_t) * q_size);
-    status |= k.attention(s.q, layer.k_cache, layer.v_cache, s.tables, s.query_start,
-                          s.seq_lens, s.attn, s.num_seqs, d.num_heads, d.num_kv_heads,
-                          d.head_dim, d.block_size, d.max_blocks, d.scale, d.window, threads);
+    status |= k.attention(s.qkv, qkv_size, layer.k_cache, layer.v_cache, s.tables,
+                          s.query_start, s.seq_lens, s.attn, s.num_seqs, d.num_heads,
+                          d.num_kv_heads, d.head_dim, d.block_size, d.max_blocks, d.scale,
+                          d.window, threads);
     status |= project(k, layer.o, s.attn, T, q_size, H, s.hidden, threads);
     if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
     status |= k.rms_norm(s.hidden, H, s.residual, layer.post_norm, s.normed, H, T, H, d.eps,

@@ -156,8 +156,9 @@ constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per 
 template <int kDim, int kChunk>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
-                         const int64_t* table, uint16_t* out, int kv_head, int heads,
-                         int num_kv_heads, int group, float scale, int window) {
+                         const int64_t* table, uint16_t* out, int64_t out_row_stride,
+                         int kv_head, int heads, int num_kv_heads, int group, float scale,
+                         int window) {
   constexpr int kBlock = 16;
   constexpr int kSpan = 4;  // blocks scored together: 64 keys per softmax update
   constexpr int kDimPairs = kDim / 2;
@@ -320,7 +321,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(running_sum[i]));
-    uint16_t* o = out + r * q_row_stride + ((kv_head + h) * group + g) * kDim;
+    uint16_t* o = out + r * out_row_stride + ((kv_head + h) * group + g) * kDim;
     for (int v = 0; v < kVecs; ++v) {
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
       std::memcpy(o + 16 * v, &y, sizeof y);
@@ -329,29 +330,41 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
 }
 
 template <int kDim>
-int varlen_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                        const int64_t* tables, const int64_t* query_start,
-                        const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_heads,
-                        int num_kv_heads, int max_blocks, float scale, int window,
-                        int num_threads) {
+int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                        const uint16_t* v_cache, const int64_t* tables,
+                        const int64_t* query_start, const int64_t* seq_lens, uint16_t* out,
+                        int num_seqs, int num_heads, int num_kv_heads, int max_blocks,
+                        float scale, int window, int num_threads) {
   const int group = num_heads / num_kv_heads;
   if (group > kMaxVectors) return 1;
   const int tile_rows = kMaxVectors / group;
-  // Work items: a single-token query (a decode) takes all its KV heads at once when they
-  // fit, so each cache block is one contiguous read; a prefill chunk is cut into tiles of
-  // rows, one item per tile and KV head.
+  // Work items: a single-token query (a decode) takes its KV heads together when they fit,
+  // so each cache block is one contiguous read; a prefill chunk is cut into tiles of rows,
+  // one item per tile and KV head. With fewer items than threads (a lone decode), the
+  // decodes' heads are split between threads instead, or all but one thread would idle.
   struct Item { int seq; int64_t row; int kv_head, heads; };
-  std::vector<Item> items;
-  const bool whole_heads = group * num_kv_heads <= kMaxVectors;
+  int decodes = 0, prefill_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
-    if (query_start[s + 1] - query_start[s] == 1 && whole_heads) {
-      items.push_back({s, query_start[s], 0, num_kv_heads});
+    const int64_t rows = query_start[s + 1] - query_start[s];
+    if (rows == 1) ++decodes;
+    else prefill_items += static_cast<int>((rows + tile_rows - 1) / tile_rows) * num_kv_heads;
+  }
+  int decode_heads = group * num_kv_heads <= kMaxVectors ? num_kv_heads : 1;
+  if (decodes > 0 && decodes + prefill_items < num_threads) {
+    const int pieces = std::min(num_kv_heads, (num_threads - prefill_items) / decodes);
+    decode_heads = std::min(decode_heads, (num_kv_heads + pieces - 1) / pieces);
+  }
+  std::vector<Item> items;
+  for (int s = 0; s < num_seqs; ++s) {
+    if (query_start[s + 1] - query_start[s] == 1) {
+      for (int h = 0; h < num_kv_heads; h += decode_heads)
+        items.push_back({s, query_start[s], h, std::min(decode_heads, num_kv_heads - h)});
       continue;
     }
     for (int64_t r = query_start[s]; r < query_start[s + 1]; r += tile_rows)
       for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, r, h, 1});
   }
-  const int64_t q_stride = static_cast<int64_t>(num_heads) * kDim;
+  const int64_t out_stride = static_cast<int64_t>(num_heads) * kDim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (size_t index = 0; index < items.size(); ++index) {
     const Item& item = items[index];
@@ -363,8 +376,8 @@ int varlen_bf16_block16(const uint16_t* q, const uint16_t* k_cache, const uint16
     const auto attend = rows == 1 && group % 3 == 0 ? attend_bf16_block16<kDim, 3>
                                                     : attend_bf16_block16<kDim, 4>;
     attend(q + item.row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
-           tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * q_stride,
-           item.kv_head, item.heads, num_kv_heads, group, scale, window);
+           tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * out_stride,
+           out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, window);
   }
   return 0;
 }
@@ -420,10 +433,6 @@ FULCRUM_DECODE_ENTRY(paged_decode_attention_f32_f32, float, float)
 FULCRUM_DECODE_ENTRY(paged_decode_attention_f32_bf16, float, uint16_t)
 FULCRUM_DECODE_ENTRY(paged_decode_attention_bf16_bf16, uint16_t, uint16_t)
 
-// Every query token of a step (decodes and prefill chunks alike) over the paged cache:
-// sequence s owns query rows [query_start[s], query_start[s + 1]), the newest tokens of its
-// seq_lens[s]-token context. bf16 queries and cache, 16-token blocks, head size 64 or 128;
-// returns nonzero for any other case, which the caller then routes elsewhere.
 // Store a step's new keys and values (bf16, [tokens, kv_heads, head_dim] rows `k_stride` and
 // `v_stride` apart, e.g. views into the fused QKV output) at their cache slots, in the pair
 // layouts of paged_varlen_attention_bf16 (16-token blocks).
@@ -459,20 +468,27 @@ int paged_varlen_attention_bf16_supported() {
 #endif
 }
 
-int paged_varlen_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                const int64_t* tables, const int64_t* query_start,
-                                const int64_t* seq_lens, uint16_t* out, int num_seqs,
-                                int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                int max_blocks, float scale, int window, int num_threads) {
+// Every query token of a step (decodes and prefill chunks alike) over the paged cache:
+// sequence s owns query rows [query_start[s], query_start[s + 1]), the newest tokens of its
+// seq_lens[s]-token context. Query rows are q_stride values apart (each row's heads side by
+// side, so a view into the fused QKV output serves); the output's rows are contiguous. bf16
+// queries and cache, 16-token blocks, head size 64 or 128; returns nonzero for any other
+// case, which the caller then routes elsewhere.
+int paged_varlen_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
+                                const uint16_t* v, const int64_t* tables,
+                                const int64_t* query_start, const int64_t* seq_lens,
+                                uint16_t* out, int num_seqs, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, int max_blocks, float scale,
+                                int window, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (block_size == 16 && head_dim == 64)
-    return varlen_bf16_block16<64>(q, k, v, tables, query_start, seq_lens, out, num_seqs,
-                                   num_heads, num_kv_heads, max_blocks, scale, window,
-                                   num_threads);
+    return varlen_bf16_block16<64>(q, q_stride, k, v, tables, query_start, seq_lens, out,
+                                   num_seqs, num_heads, num_kv_heads, max_blocks, scale,
+                                   window, num_threads);
   if (block_size == 16 && head_dim == 128)
-    return varlen_bf16_block16<128>(q, k, v, tables, query_start, seq_lens, out, num_seqs,
-                                    num_heads, num_kv_heads, max_blocks, scale, window,
-                                    num_threads);
+    return varlen_bf16_block16<128>(q, q_stride, k, v, tables, query_start, seq_lens, out,
+                                    num_seqs, num_heads, num_kv_heads, max_blocks, scale,
+                                    window, num_threads);
 #endif
   return 1;
 }

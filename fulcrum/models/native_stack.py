@@ -47,7 +47,7 @@ class _Dims(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I), ("num_seqs", _I)] + [
         (name, _P) for name in ("token_ids", "embedding", "final_norm", "normed", "hidden",
-                                "residual", "qkv", "q", "attn", "gate_up", "act", "positions",
+                                "residual", "qkv", "attn", "gate_up", "act", "positions",
                                 "cos", "sin", "slots", "tables", "query_start", "seq_lens")]
 
 
@@ -96,10 +96,10 @@ class NativeStack:
                          eps=first.input_layernorm.eps, scale=spec.scale)
         q_size = spec.num_heads * spec.head_dim
         hidden, intermediate = self.dims["hidden"], self.dims["intermediate"]
-        # The step's scratch (hidden, residual, qkv, q, attn, gate_up, act) is one allocation:
+        # The step's scratch (hidden, residual, qkv, attn, gate_up, act) is one allocation:
         # where each part starts, in elements per token, 64-byte aligned.
         widths = (hidden, hidden, q_size + 2 * spec.num_kv_heads * spec.head_dim, q_size,
-                  q_size, 2 * intermediate, intermediate)
+                  2 * intermediate, intermediate)
         padded = [-(-w // 32) * 32 for w in widths]
         self._offsets = [sum(padded[:i]) for i in range(len(padded))]
         self._scratch_width = sum(padded)
