@@ -98,6 +98,12 @@ def test_bad_requests_fail_alone(async_llm):
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == GREEDY.max_tokens
 
 
+def test_engine_thread_waits_at_most_a_fifth_of_a_millisecond_for_the_gil(async_llm):
+    # Python's default (5 ms) would let the event loop hold the GIL that long after each
+    # forward pass, on every token.
+    assert sys.getswitchinterval() <= 0.0002
+
+
 def test_listener_sees_every_step(async_llm):
     reports: list = []
     async_llm.add_listener(reports.append)
