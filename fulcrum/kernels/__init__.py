@@ -199,8 +199,8 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     status = paged_attention().paged_varlen_attention_bf16(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],
+        block_tables.data_ptr(), query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        seq_lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale, window,
         torch.get_num_threads())
     if status:
