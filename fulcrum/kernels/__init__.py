@@ -171,14 +171,19 @@ def varlen_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int,
             (num_blocks, num_kv_heads, block_size // 2, head_dim, 2))
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's [heads, head_dim] of x [T, heads, head_dim] is one contiguous run
+    (tokens may be any stride apart: views into the fused QKV output qualify)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def write_kv_bf16(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] (bf16; each token's heads contiguous, tokens any
     stride) at their slots of the caches, in `paged_varlen_attention`'s pair layouts."""
     tokens, num_kv_heads, head_dim = k.shape
-    for x in (k, v):
-        if x.stride(2) != 1 or x.stride(1) != head_dim:
-            raise ValueError("write_kv_bf16 needs each token's heads contiguous")
+    if not (_heads_contiguous(k) and _heads_contiguous(v)):
+        raise ValueError("write_kv_bf16 needs each token's heads contiguous")
     paged_attention().paged_write_kv_bf16(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_kv_heads, head_dim,
@@ -193,7 +198,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     heads contiguous, tokens any stride (a view into the fused QKV output is read in place).
     Caches in the pair layouts of `varlen_cache_shapes`."""
     tokens, num_heads, head_dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
+    if not _heads_contiguous(q):
         q = q.contiguous()
     out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
