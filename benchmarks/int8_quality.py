@@ -2,7 +2,7 @@
 
 stories260K (../shared/models/stories260K, a trained Llama) in bfloat16, with and without
 int8 (weights with a scale per output channel, computed at load, and each input row
-quantized at run time; the LM head stays bf16):
+quantized at run time; the LM head too):
 - greedy agreement: for each of the model's greedy reference prompts, the share of generated
   tokens before int8's first difference from bf16, and the share of answers identical;
 - next-token distributions on real text (a few paragraphs of plain English below): the mean

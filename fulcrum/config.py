@@ -85,8 +85,7 @@ class EngineConfig:
     # vLLM: never capture CUDA graphs. fulcrum captures none, so it always runs eagerly.
     enforce_eager: bool = False
     # vLLM's --quantization: None (the model's dtype) or "int8" (int8 weights with a scale per
-    # output channel computed at load, inputs quantized per row at run time; the LM head stays
-    # in the model's dtype).
+    # output channel computed at load, inputs quantized per row at run time; the LM head too).
     quantization: Optional[str] = None
     # vLLM: run code shipped in the model folder. fulcrum never does (only False).
     trust_remote_code: bool = False

@@ -61,7 +61,7 @@ _HELP = {
     "enforce_eager": "vLLM's; fulcrum captures no graphs and always runs eagerly",
     "quantization": "int8: int8 weights with a scale per output channel, computed at load, "
                     "and each input row quantized at run time (half the weight bytes a decode "
-                    "step reads, int8 dot products; the LM head stays unquantized)",
+                    "step reads, int8 dot products; the LM head included)",
     "trust_remote_code": "vLLM's; fulcrum runs no code from model folders (only off)",
     "tokenizer_mode": "vLLM's; only auto (the model's tokenizer.json)",
     "disable_log_stats": "no periodic stats line from the server (vLLM's)",

@@ -84,29 +84,40 @@ def quantize_input(module, args):
     return (q * scale,)
 
 
-def test_int8_model_matches_hf_with_the_same_quantization(llama_dir):
-    """float32 (the portable path): greedy tokens equal HF's with the same quantized weights
-    and each linear's input quantized per row."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a tied LM head
+def test_int8_model_matches_hf_with_the_same_quantization(model_dirs, arch):
+    """float32 (the portable path): greedy tokens, and every prompt position's full
+    next-token distribution, equal HF's with the same quantized weights, the LM head's
+    included (a tied head is quantized apart from the embedding table, whose lookups keep
+    the model's dtype), and each linear's input quantized per row. (An unquantized head
+    moves these log-probabilities by ~0.05.)"""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    model_dir = model_dirs[arch]
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = list(range(5, 25))
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
                 q, scale = kernels.quantize_int8(module.weight)
                 module.weight.copy_(q.float() * scale[:, None])
                 module.register_forward_pre_hook(quantize_input)
-    prompt = list(range(5, 25))
+        expected_logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], -1)
     expected = hf_greedy_of(model, prompt, 12)
-    llm = LLM(str(llama_dir), quantization="int8", dtype="float32")
+    vocab = expected_logprobs.shape[1]
+    llm = LLM(str(model_dir), quantization="int8", dtype="float32", max_logprobs=vocab)
     output = llm.generate([{"prompt_token_ids": prompt}],
-                          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0]
+                          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                         prompt_logprobs=vocab), use_tqdm=False)[0]
     assert output.outputs[0].token_ids == expected
-    plain = LLM(str(llama_dir), dtype="float32").generate(
+    got = torch.tensor([[entry[t].logprob for t in range(vocab)]
+                        for entry in output.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, expected_logprobs, atol=1e-4, rtol=0)
+    plain = LLM(str(model_dir), dtype="float32").generate(
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12,
                                                        ignore_eos=True), use_tqdm=False)[0]
-    assert plain.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 12)
+    assert plain.outputs[0].token_ids == hf_greedy(model_dir, prompt, 12)
 
 
 def test_quantization_values(llama_dir):

@@ -204,8 +204,8 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     probes = [r for readings in limits["bandwidth_gb_per_s_probes"].values() for r in readings]
     return ["", "## Latency against the roofline", "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
-            "with its weights as loaded and with int8 (`--quantization int8`; the "
-            "LM head stays unquantized), runs alternating between the two; "
+            "with its weights as loaded and with int8 (`--quantization int8`, the "
+            "LM head included), runs alternating between the two; "
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
             "machine's own limit, measured in the same run: memory bandwidth by a probe "

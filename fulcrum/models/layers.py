@@ -345,12 +345,14 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_weights(self, quantization: Optional[str] = None) -> None:
         """Give every linear layer the fastest weight layout for this device and dtype;
-        `quantization="int8"` quantizes all but the LM head (kept in the model's dtype, as
-        vLLM's int8 schemes keep it: its errors would reach every token's logits). Packed
-        weights then move, in the order a step reads them, onto huge pages."""
+        `quantization="int8"` quantizes every one, the LM head too (as llama.cpp's Q8_0
+        does): at batch 1 the head is a third of int8's weight bytes, read every step, and
+        its per-row scales keep each token's logits close (benchmarks/int8_quality.py
+        measures the KL divergence from bf16). Packed weights then move, in the order a step
+        reads them, onto huge pages."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
-            module.pack(quantization if module is not self.lm_head else None)
+            module.pack(quantization)
         packed = [m for m in linears if m.packed is not None]
         slots = kernels.huge_page_tensors([(m.packed.shape, m.packed.dtype) for m in packed])
         for module, slot in zip(packed, slots):  # each old copy is freed as its slot fills
