@@ -270,13 +270,37 @@ def test_write_kv_bf16_stores_each_slot_in_the_pair_layout():
     assert int((keys != 0).any(-1).any(-1).sum()) == len(slots)  # nothing else written
 
 
+@pytest.mark.skipif(kernels._argmax_library() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("rows,vocab", [(2, 49152), (7, 1000), (64, 4099), (3, 1)])
+def test_argmax_matches_torch_on_random_rows_ties_and_strided_rows(rows, vocab):
+    generator = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab + 5, generator=generator)[:, 2:vocab + 2]  # strided rows
+    logits[0, vocab // 2:] = logits[0].max() + 1  # a tie of many: the first wins
+    logits[-1, -1] = 1e9  # the very last column
+    got = kernels.argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert int(got[0]) == vocab // 2 and int(got[-1]) == vocab - 1
+    assert torch.equal(kernels.argmax(logits[1:2]), got[1:2])  # one row: no threads
+
+
+@pytest.mark.skipif(kernels._argmax_library() is None, reason="no C++ compiler")
+def test_argmax_orders_nan_infinities_and_signed_zeros_as_torch_does():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, nan, 3.0, nan, 5.0], [-inf] * 5, [2.0, 5.0, 5.0, 1.0, 5.0],
+                           [-0.0, 0.0, -1.0, -0.0, 0.0], [-3.0, -1.0, -2.0, -1.0, -5.0],
+                           [-1.0, 2.0, inf, inf, nan], [-inf, -1e-45, -0.0, -1e-45, -inf]])
+    logits[5, 0] = -nan  # a NaN with the sign bit set counts as NaN too
+    assert kernels.argmax(logits).tolist() == logits.argmax(dim=-1).tolist() \
+        == [1, 0, 1, 0, 1, 0, 2]
+
+
 def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
     """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
     import subprocess
     import sys
 
     code = ("import torch; from fulcrum import kernels; kernels.paged_attention(); "
-            "kernels.has_elementwise(); "
+            "kernels.has_elementwise(); kernels.argmax(torch.zeros(2, 3)); "
             "print(torch.tensor(1e-40, dtype=torch.float32).item() > 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)

@@ -4,7 +4,8 @@
   whole steps, prefill chunks too);
 - linear_bf16.cpp: bfloat16 and int8 linear layers on AVX512-BF16 and VNNI CPUs, over
   weights packed once;
-- elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass.
+- elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass;
+- argmax.cpp: greedy sampling's argmax over fp32 logits, vectorised.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
 cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source
@@ -91,7 +92,7 @@ def _library(name: str) -> Optional[ctypes.CDLL]:
 def clear_cache() -> None:
     """Forget loaded kernels, so FULCRUM_DISABLE_KERNELS is read again (tests flip it)."""
     for cached in (_library, paged_attention, _linear_library, _elementwise_library,
-                   shm_collectives):
+                   shm_collectives, _argmax_library):
         cached.cache_clear()
 
 
@@ -404,3 +405,27 @@ def rope_bf16_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
         heads, head_dim, torch.get_num_threads()), "rope_bf16")
     return x
+
+
+# ---------------------------------------------------------------------- argmax
+@functools.lru_cache(maxsize=None)
+def _argmax_library() -> Optional[ctypes.CDLL]:
+    library = _library("argmax")
+    if library is not None:
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        _declare(library, "fulcrum_argmax_f32", [pointer, i64, i32, i32, pointer, i32])
+    return library
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of fp32 rows [rows, vocab] on CPU (the same indices:
+    first of equal maxima, NaN largest), vectorised; torch's own elsewhere."""
+    library = _argmax_library()
+    if (library is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _check(library.fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
+                                      logits.shape[1], out.data_ptr(), torch.get_num_threads()),
+           "argmax")
+    return out

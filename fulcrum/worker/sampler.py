@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fulcrum import kernels
 from fulcrum.core.request import SamplingRow
 from fulcrum.outputs import Logprob, SampledToken
 
@@ -40,7 +41,7 @@ class Sampler:
         logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
