@@ -41,11 +41,14 @@ class Sampler:
         logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
-        tokens = kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
-            tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
+        if random_rows and len(random_rows) == len(rows):  # no greedy row: no argmax, no copy
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = kernels.argmax(logits)
+            if random_rows:
+                index = torch.tensor(random_rows, device=logits.device)
+                tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
         token_list = tokens.tolist()
         return [SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
                 for i, (t, r) in enumerate(zip(token_list, rows))]
