@@ -18,8 +18,8 @@
 // vpdpbusd, 64 multiply-adds of bytes per instruction into int32, straight from the loaded
 // weights: widening int8 panels to bf16 in registers took several instructions per 16
 // weights, so weight-only int8 was bound by arithmetic, not by reading its half-size weights.
-// (Per instruction vpdpbusd does twice vdpbf16ps's work; CPUs that split 512-bit work in
-// halves, Zen 4, issue it at half the rate, so large batches gain nothing there.)
+// Per instruction vpdpbusd does twice vdpbf16ps's multiply-adds at the same issue rate, so
+// large batches, bound by arithmetic, gain too.
 // vpdpbusd multiplies unsigned by signed bytes, so a row is stored as q + 128 and each panel
 // ends with its columns' weight sums times 128, which are subtracted.
 // Quantizing a row depends on that row alone: results do not depend on the batch.
@@ -38,6 +38,9 @@ constexpr int kRows = 8;                 // input rows per register tile
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m256i as_i(__m256bh v) { return reinterpret_cast<__m256i&>(v); }
+inline __v16si dpbusd(__v16si acc, __m512i a, __m512i b) {
+  return __v16si(_mm512_dpbusd_epi32(__m512i(acc), a, b));
+}
 
 // y = acc * scale + bias for one row's `columns` outputs of a panel (acc: kVectors vectors),
 // stored as bf16 or fp32.
@@ -90,9 +93,11 @@ template <int M>
 void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int8_t* panel,
                int quads, const float* scale, const float* bias, char* out, int64_t ldo_bytes,
                int columns, bool out_f32) {
-  __m512i acc[M][kVectors];
+  // __v16si, not __m512i: GCC (12) keeps an array of the may_alias __m512i in memory, so every
+  // vpdpbusd of the K loop loaded and stored its accumulator, which halved the tile's rate
+  __v16si acc[M][kVectors];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_si512();
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = __v16si{};
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int kq = 0; kq < quads; ++kq) {
@@ -101,7 +106,7 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
     for (int v = 0; v < kVectors; ++v) b[v] = _mm512_loadu_si512(w + v * 64);
     for (int m = 0; m < M; ++m) {
       const __m512i a = _mm512_set1_epi32(rows[m][kq]);
-      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], a, b[v]);
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = dpbusd(acc[m][v], a, b[v]);
     }
   }
   const int32_t* sums = reinterpret_cast<const int32_t*>(panel + static_cast<int64_t>(quads)
@@ -109,7 +114,8 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   for (int m = 0; m < M; ++m) {
     __m512 y[kVectors];
     for (int v = 0; v < kVectors; ++v)
-      y[v] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][v], _mm512_loadu_si512(sums + v * 16)));
+      y[v] = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(__m512i(acc[m][v]), _mm512_loadu_si512(sums + v * 16)));
     store_row(y, scale, row_scales[m], bias, out + m * ldo_bytes, columns, out_f32);
   }
 }
