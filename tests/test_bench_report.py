@@ -11,22 +11,26 @@ from fulcrum.cli import main
 
 def test_report_quick_writes_three_tables_and_json(llama_dir, tmp_path):
     out = tmp_path / "performance.md"
-    code = main(["bench", "report", "--quick", "--engines", "fulcrum", "--repeats", "1",
-                 "--model", str(llama_dir), "--out", str(out)])
+    code = main(["bench", "report", "--quick", "--engines", "fulcrum,fulcrum-int8", "--repeats",
+                 "1", "--model", str(llama_dir), "--out", str(out)])
     assert code == 0
     page = out.read_text()
     for workload, columns in COLUMNS.items():
         assert f"## {workload.capitalize()}" in page
         assert "| engine | " + " | ".join(h for h, _ in columns) + " |" in page
-    assert page.count("\n| fulcrum | ") == 3 + 1  # three tables + the engines table
+    for engine in ("fulcrum", "fulcrum-int8"):  # three tables + the engines table
+        assert page.count(f"\n| {engine} | ") == 3 + 1
+    assert "| fulcrum serve --quantization int8 (" in page
+    assert " | bfloat16, int8 linear layers |" in page
     assert "fulcrum bench report --out" in page and "vLLM" in page
     data = json.loads(out.with_suffix(".json").read_text())
-    fulcrum = data["results"]["fulcrum"]
-    assert set(fulcrum) == set(COLUMNS)
-    assert fulcrum["throughput"]["median"]["total tokens/s"] > 0
-    assert fulcrum["decode"]["median"]["TPOT median (ms)"] > 0
-    assert fulcrum["mixed"]["median"]["long TTFT (ms)"] > 0
-    assert fulcrum["mixed"]["runs"][0]["reports"]["all"]["failed"] == 0
+    for engine in ("fulcrum", "fulcrum-int8"):
+        results = data["results"][engine]
+        assert set(results) == set(COLUMNS)
+        assert results["throughput"]["median"]["total tokens/s"] > 0
+        assert results["decode"]["median"]["TPOT median (ms)"] > 0
+        assert results["mixed"]["median"]["long TTFT (ms)"] > 0
+        assert results["mixed"]["runs"][0]["reports"]["all"]["failed"] == 0
 
 
 def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkeypatch):

