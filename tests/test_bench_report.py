@@ -59,3 +59,38 @@ def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkey
     assert "| fulcrum-slo | 100% | 50% |" in page
     assert "| vllm |" not in page.split("## Goodput")[1]  # a failed engine has no row
     assert "best of the sweep: fulcrum-fcfs-512" in page and "![goodput](goodput.png)" in page
+
+
+def test_engines_take_turns_in_rounds_and_a_failed_engine_drops_out(monkeypatch):
+    """Round r runs the r-th workloads on every engine before round r + 1 starts, so a slow
+    spell of the machine falls on all engines; an engine that fails once is not started
+    again."""
+    from contextlib import contextmanager
+
+    from fulcrum.bench import report
+
+    started = []
+
+    @contextmanager
+    def fake_server(command, port):
+        engine = command[-1]
+        started.append(engine)
+        if engine == "vllm" and started.count("vllm") == 1:
+            raise RuntimeError("vllm did not start")
+        yield engine
+
+    def fake_runs(engine, loads):
+        (load,) = loads
+        return {"throughput": [{"metrics": {"total tokens/s": load["throughput"]}}]}
+
+    monkeypatch.setattr(report, "server_command", lambda engine, *args: [engine])
+    monkeypatch.setattr(report, "running_server", fake_server)
+    monkeypatch.setattr(report, "serve_runs", fake_runs)
+    timed = [{"throughput": 10.0}, {"throughput": 20.0}, {"throughput": 30.0}]
+    runs = report._rounds(["fulcrum", "vllm", "fulcrum-int8"], timed, "model", True, 512)
+    assert started == ["fulcrum", "vllm", "fulcrum-int8", "fulcrum", "fulcrum-int8",
+                       "fulcrum", "fulcrum-int8"]
+    assert runs["vllm"] == {"error": "vllm did not start"}
+    for engine in ("fulcrum", "fulcrum-int8"):
+        assert [r["metrics"]["total tokens/s"] for r in runs[engine]["throughput"]] == [
+            10.0, 20.0, 30.0]

@@ -4,10 +4,12 @@ Three fixed workloads (offline-style throughput, steady decode, a long prompt am
 arrivals) run against each engine in turn through the same streaming HTTP client as
 `fulcrum bench serve`, so fulcrum's variants and vLLM are measured by identical code. Each
 engine is a server subprocess on a free loopback port, started, warmed up and stopped before
-the next: on a small machine two engines at once would time each other's noise. HF
+the next: on a small machine two engines at once would time each other's noise. The engines
+take turns in rounds, each round running every workload once on every engine, so a slow
+spell of a shared machine falls on all engines alike instead of on whichever ran then. HF
 transformers has no server; it runs the throughput workload offline (`generate` in static
 batches) as the baseline a user without an engine would have. Every number is the median of
-`--repeats` runs; the raw runs go to a JSON file beside the markdown.
+`--repeats` rounds; the raw runs go to a JSON file beside the markdown.
 """
 
 from __future__ import annotations
@@ -358,8 +360,10 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         f"**mixed**: {setup['workloads']['mixed']}, the head-of-line case where a long "
         "prompt must not stall short requests. TTFT, TPOT and throughput follow vLLM's "
         "serving-benchmark definitions; makespan is first send to last token. Engines run "
-        "one at a time, each on a fresh server warmed up with two small requests; every "
-        f"cell is the median of {setup['repeats']} runs (raw runs: "
+        "one at a time, each on a fresh server warmed up with two small requests, and take "
+        "turns in rounds (each round runs every workload once on every engine, so a slow "
+        "spell of the machine falls on all of them); every cell is the median of "
+        f"{setup['repeats']} rounds (raw runs: "
         f"[{md_path.with_suffix('.json').name}]({md_path.with_suffix('.json').name})).", "",
         "## Machine", "",
         f"- CPU: {facts['cpu']}, {facts['cores']} cores, {facts['ram_gib']} GiB RAM "
@@ -475,22 +479,10 @@ def run_report(args: argparse.Namespace) -> int:
                 "minutes) and run the command below again.")
     else:
         note = None
-    results: Dict[str, Any] = {}
-    for engine in engines:
-        print(f"[{engine}]", flush=True)
-        try:
-            if engine == "hf":
-                runs = hf_runs(model_dir, dummy, [t["throughput"] for t in timed])
-            else:
-                port = free_port()
-                command = server_command(engine, model_dir, dummy, port, scale.max_model_len)
-                with running_server(command, port) as base_url:
-                    runs = serve_runs(base_url, timed)
-        except RuntimeError as error:
-            results[engine] = {"error": str(error)}
-            print(f"  failed: {error}", flush=True)
-            continue
-        results[engine] = {w: {"median": _median(r), "runs": r} for w, r in runs.items()}
+    runs = _rounds(engines, timed, model_dir, dummy, scale.max_model_len)
+    results = {engine: outcome if "error" in outcome else
+               {w: {"median": _median(r), "runs": r} for w, r in outcome.items()}
+               for engine, outcome in runs.items()}
     md_path = Path(args.out)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     measured_vllm = version if set(engines) & set(VLLM_VARIANTS) else None
@@ -506,6 +498,33 @@ def run_report(args: argparse.Namespace) -> int:
                                            for run in cell["runs"])
                  for outcome in results.values())
     return 1 if failed else 0
+
+
+def _rounds(engines: List[str], timed: List[Dict[str, Schedule]], model_dir: str, dummy: bool,
+            max_model_len: int) -> Dict[str, Any]:
+    """Round r runs timed[r] on every engine in turn: {engine: {workload: [run per round]}},
+    or {"error": ...} for an engine that failed (and is left out of later rounds)."""
+    runs: Dict[str, Any] = {engine: {} for engine in engines}
+    for number, load in enumerate(timed, 1):
+        for engine in engines:
+            if "error" in runs[engine]:
+                continue
+            print(f"[{engine}] round {number} of {len(timed)}", flush=True)
+            try:
+                if engine == "hf":
+                    done = hf_runs(model_dir, dummy, [load["throughput"]])
+                else:
+                    port = free_port()
+                    command = server_command(engine, model_dir, dummy, port, max_model_len)
+                    with running_server(command, port) as base_url:
+                        done = serve_runs(base_url, [load])
+            except RuntimeError as error:
+                runs[engine] = {"error": str(error)}
+                print(f"  failed: {error}", flush=True)
+                continue
+            for workload, workload_runs in done.items():
+                runs[engine].setdefault(workload, []).extend(workload_runs)
+    return runs
 
 
 def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
