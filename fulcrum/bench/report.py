@@ -80,8 +80,8 @@ DESCRIPTIONS = {
     "fulcrum-nochunk": "fulcrum serve --no-enable-chunked-prefill",
     "fulcrum-static": "fulcrum serve --batching-mode static",
     "fulcrum-int8": "fulcrum serve --quantization int8 (the linear layers' weights int8 with a "
-                    "scale per output channel, their inputs int8 per token: W8A8, a different "
-                    "number format from the other engines')",
+                    "scale per output channel, their inputs int8 per token: W8A8, a number "
+                    "format of its own, not the others' bfloat16)",
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
     "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)",
     "vllm-tuned": "the same with --max-num-batched-tokens 512 --long-prefill-token-threshold "
