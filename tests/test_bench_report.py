@@ -79,13 +79,12 @@ def test_engines_take_turns_in_rounds_and_a_failed_engine_drops_out(monkeypatch)
             raise RuntimeError("vllm did not start")
         yield engine
 
-    def fake_runs(engine, loads):
-        (load,) = loads
-        return {"throughput": [{"metrics": {"total tokens/s": load["throughput"]}}]}
+    def fake_run(engine, load):
+        return {"throughput": {"metrics": {"total tokens/s": load["throughput"]}}}
 
     monkeypatch.setattr(report, "server_command", lambda engine, *args: [engine])
     monkeypatch.setattr(report, "running_server", fake_server)
-    monkeypatch.setattr(report, "serve_runs", fake_runs)
+    monkeypatch.setattr(report, "serve_run", fake_run)
     timed = [{"throughput": 10.0}, {"throughput": 20.0}, {"throughput": 30.0}]
     runs = report._rounds(["fulcrum", "vllm", "fulcrum-int8"], timed, "model", True, 512)
     assert started == ["fulcrum", "vllm", "fulcrum-int8", "fulcrum", "fulcrum-int8",

@@ -224,10 +224,10 @@ def _metrics(workload: str, reports: Dict[str, Any],
             for heading, path in COLUMNS[workload]}
 
 
-def serve_runs(base_url: str, repeats: List[Dict[str, Schedule]]) -> Dict[str, Any]:
-    """Warm up, then each workload once per repeat: {workload: [{metrics, reports}, ...]}.
+def serve_run(base_url: str, loads: Dict[str, Schedule]) -> Dict[str, Any]:
+    """Warm up, then each workload once: {workload: {metrics, reports, errors}}.
 
-    Each repeat has its own prompts: repeating the same ones would measure the prefix cache."""
+    Each round has its own prompts: repeating the same ones would measure the prefix cache."""
     from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 
     async def main() -> Dict[str, Any]:
@@ -236,41 +236,33 @@ def serve_runs(base_url: str, repeats: List[Dict[str, Schedule]]) -> Dict[str, A
             model = await served_model(client, base_url)
             await warm_up(client, url, model)
             runs: Dict[str, Any] = {}
-            for name in repeats[0]:
-                runs[name] = []
-                for timed in repeats:
-                    load = timed[name]
-                    timelines, duration = await run_load(client, url, model, load,
-                                                         show_progress=False)
-                    reports = report_by_group(timelines, duration)
-                    errors = [t.error for t in timelines if not t.completed]
-                    runs[name].append({"metrics": _metrics(name, reports, bool(errors)),
-                                       "reports": reports, "errors": errors})
-                    print(f"  {name}: " + ", ".join(
-                        f"{k} {_fmt(v)}" for k, v in runs[name][-1]["metrics"].items()),
-                        flush=True)
+            for name, load in loads.items():
+                timelines, duration = await run_load(client, url, model, load,
+                                                     show_progress=False)
+                reports = report_by_group(timelines, duration)
+                errors = [t.error for t in timelines if not t.completed]
+                runs[name] = {"metrics": _metrics(name, reports, bool(errors)),
+                              "reports": reports, "errors": errors}
+                print(f"  {name}: " + ", ".join(
+                    f"{k} {_fmt(v)}" for k, v in runs[name]["metrics"].items()), flush=True)
         return runs
 
     return asyncio.run(main())
 
 
-def hf_runs(model_dir: str, dummy: bool, loads: List[Schedule]) -> Dict[str, Any]:
-    """HF generate on the throughput workload, each run in a fresh process."""
+def hf_run(model_dir: str, dummy: bool, load: Schedule) -> Dict[str, Any]:
+    """HF generate on the throughput workload in a fresh process: {"throughput": run}."""
     import torch
 
     from fulcrum.bench.hf_baseline import measure_hf
     from fulcrum.bench.throughput import run_isolated
 
-    runs = []
-    for load in loads:
-        requests = [request for _, request in load]
-        result = run_isolated(measure_hf, model_dir, getattr(torch, FULCRUM_DTYPE), "cpu",
-                              requests, HF_BATCH, dummy)
-        metrics = dict(zip([h for h, _ in COLUMNS["throughput"]], [
-            result.total_tokens_per_s, result.output_tokens_per_s, result.elapsed_s]))
-        runs.append({"metrics": metrics, "result": result.as_dict()})
-        print(f"  throughput: {result.summary('hf')}", flush=True)
-    return {"throughput": runs}
+    result = run_isolated(measure_hf, model_dir, getattr(torch, FULCRUM_DTYPE), "cpu",
+                          [request for _, request in load], HF_BATCH, dummy)
+    metrics = dict(zip([h for h, _ in COLUMNS["throughput"]], [
+        result.total_tokens_per_s, result.output_tokens_per_s, result.elapsed_s]))
+    print(f"  throughput: {result.summary('hf')}", flush=True)
+    return {"throughput": {"metrics": metrics, "result": result.as_dict()}}
 
 
 def overhead_run(model_dir: str, dummy: bool, load: Schedule) -> Dict[str, float]:
@@ -512,18 +504,18 @@ def _rounds(engines: List[str], timed: List[Dict[str, Schedule]], model_dir: str
             print(f"[{engine}] round {number} of {len(timed)}", flush=True)
             try:
                 if engine == "hf":
-                    done = hf_runs(model_dir, dummy, [load["throughput"]])
+                    done = hf_run(model_dir, dummy, load["throughput"])
                 else:
                     port = free_port()
                     command = server_command(engine, model_dir, dummy, port, max_model_len)
                     with running_server(command, port) as base_url:
-                        done = serve_runs(base_url, [load])
+                        done = serve_run(base_url, load)
             except RuntimeError as error:
                 runs[engine] = {"error": str(error)}
                 print(f"  failed: {error}", flush=True)
                 continue
-            for workload, workload_runs in done.items():
-                runs[engine].setdefault(workload, []).extend(workload_runs)
+            for workload, run in done.items():
+                runs[engine].setdefault(workload, []).append(run)
     return runs
 
 
