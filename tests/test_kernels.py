@@ -213,13 +213,15 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
+# One row (a lone decode) runs on the calling thread, more rows on a team: both are checked.
 @needs_elementwise
+@pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_bf16_matches_torch_rounding(with_residual):
+def test_rms_norm_bf16_matches_torch_rounding(with_residual, rows):
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 576, generator=generator).bfloat16()
+    x = torch.randn(rows, 576, generator=generator).bfloat16()
     weight = torch.randn(576, generator=generator).bfloat16()
-    residual = torch.randn(37, 576, generator=generator).bfloat16() if with_residual else None
+    residual = torch.randn(rows, 576, generator=generator).bfloat16() if with_residual else None
     summed = x.float() if residual is None else _bf16(x.float() + residual.float())
     normed = _bf16(summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))
     expected = (weight.float() * normed).bfloat16()
@@ -230,16 +232,17 @@ def test_rms_norm_bf16_matches_torch_rounding(with_residual):
 
 
 @needs_elementwise
-def test_silu_mul_and_rope_bf16_match_torch():
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_and_rope_bf16_match_torch(rows):
     generator = torch.Generator().manual_seed(2)
-    gate_up = torch.randn(9, 2 * 1536, generator=generator).bfloat16()
+    gate_up = torch.randn(rows + 4, 2 * 1536, generator=generator).bfloat16()
     gate, up = gate_up.float().chunk(2, -1)
     expected = _bf16(torch.nn.functional.silu(gate)) * up.float()
     torch.testing.assert_close(kernels.silu_mul_bf16(gate_up).float(), expected,
                                atol=1e-2, rtol=1e-2)
-    qkv = torch.randn(5, 3 * 64 + 2 * 64, generator=generator).bfloat16()
-    q = qkv[:, :192].view(5, 3, 64)  # a strided view into the fused QKV rows, as in a layer
-    positions = torch.tensor([0, 7, 3, 100, 41])
+    qkv = torch.randn(rows, 3 * 64 + 2 * 64, generator=generator).bfloat16()
+    q = qkv[:, :192].view(rows, 3, 64)  # a strided view into the fused QKV rows, as in a layer
+    positions = torch.tensor([41, 7, 3, 100, 0][:rows])
     angles = torch.outer(torch.arange(128).float(), 1 / 10000 ** (torch.arange(0, 64, 2) / 64))
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     x = q.float()
@@ -252,11 +255,12 @@ def test_silu_mul_and_rope_bf16_match_torch():
 
 
 @pytest.mark.skipif(kernels.paged_attention() is None, reason="no C++ compiler")
-def test_write_kv_bf16_stores_each_slot_in_the_pair_layout():
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_write_kv_bf16_stores_each_slot_in_the_pair_layout(tokens):
     generator = torch.Generator().manual_seed(3)
-    qkv = torch.randn(6, 6 * 64, generator=generator).bfloat16()
-    k, v = qkv[:, 128:256].view(6, 2, 64), qkv[:, 256:].view(6, 2, 64)  # strided views
-    slots = torch.tensor([3, 17, 18, 40, 0, 63])
+    qkv = torch.randn(tokens, 6 * 64, generator=generator).bfloat16()
+    k, v = qkv[:, 128:256].view(tokens, 2, 64), qkv[:, 256:].view(tokens, 2, 64)  # strided
+    slots = torch.tensor([17, 3, 18, 40, 0, 63][:tokens])
     k_shape, v_shape = kernels.varlen_cache_shapes(4, 16, 2, 64)
     k_cache = torch.zeros(k_shape, dtype=torch.bfloat16)
     v_cache = torch.zeros(v_shape, dtype=torch.bfloat16)

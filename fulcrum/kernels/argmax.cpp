@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "for_rows.h"
+
 namespace {
 
 constexpr int kChunk = 64;  // values tested together in the second pass
@@ -52,8 +54,7 @@ extern "C" {
 int fulcrum_argmax_f32(const float* x, int64_t ld, int rows, int columns, int64_t* out,
                        int num_threads) {
   if (columns <= 0) return 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-  for (int r = 0; r < rows; ++r) out[r] = row_argmax(x + r * ld, columns);
+  fulcrum::for_rows(rows, num_threads, [&](int r) { out[r] = row_argmax(x + r * ld, columns); });
   return 0;
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "for_rows.h"
 #include "vector_math.h"
 
 namespace {
@@ -28,8 +29,7 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
                           const uint16_t* weight, uint16_t* out, int64_t out_stride, int rows,
                           int width, float eps, int num_threads) {
   if (width > kMaxWidth) return 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int r = 0; r < rows; ++r) {
+  fulcrum::for_rows(rows, num_threads, [&](int r) {
     float values[kMaxWidth];
     const uint16_t* in = x + r * x_stride;
     uint16_t* res = residual ? residual + static_cast<int64_t>(r) * width : nullptr;
@@ -73,15 +73,14 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
     for (; i < width; ++i)
       o[i] = float_to_bf16(bf16_to_float(weight[i]) *
                            bf16_to_float(float_to_bf16(values[i] * inv)));
-  }
+  });
   return 0;
 }
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i].
 int fulcrum_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int width,
                           int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int r = 0; r < rows; ++r) {
+  fulcrum::for_rows(rows, num_threads, [&](int r) {
     const uint16_t* gate = gate_up + static_cast<int64_t>(r) * 2 * width;
     const uint16_t* up = gate + width;
     uint16_t* o = out + static_cast<int64_t>(r) * width;
@@ -102,7 +101,7 @@ int fulcrum_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int 
       const float silu = bf16_to_float(float_to_bf16(g / (1.f + std::exp(-g))));
       o[i] = float_to_bf16(silu * bf16_to_float(up[i]));
     }
-  }
+  });
   return 0;
 }
 
@@ -112,8 +111,7 @@ int fulcrum_rope_bf16(uint16_t* x, int64_t stride, const int64_t* positions,
                       const float* cos_table, const float* sin_table, int rows, int heads,
                       int head_dim, int num_threads) {
   const int half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int r = 0; r < rows; ++r) {
+  fulcrum::for_rows(rows, num_threads, [&](int r) {
     const float* c = cos_table + positions[r] * head_dim;
     const float* s = sin_table + positions[r] * head_dim;
     for (int h = 0; h < heads; ++h) {
@@ -125,7 +123,7 @@ int fulcrum_rope_bf16(uint16_t* x, int64_t stride, const int64_t* positions,
         v[i + half] = float_to_bf16(b * c[i + half] + a * s[i + half]);
       }
     }
-  }
+  });
   return 0;
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "for_rows.h"
 #include "vector_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -442,8 +443,7 @@ int paged_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v,
                         int num_threads) {
   constexpr int kBlock = 16;
   const int64_t tile = static_cast<int64_t>(head_dim) * kBlock;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int t = 0; t < num_tokens; ++t) {
+  fulcrum::for_rows(num_tokens, num_threads, [&](int t) {
     const int64_t block = slots[t] / kBlock, offset = slots[t] % kBlock;
     for (int h = 0; h < num_kv_heads; ++h) {
       const uint16_t* key = k + t * k_stride + h * head_dim;
@@ -456,7 +456,7 @@ int paged_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v,
         values[d * 2] = value[d];
       }
     }
-  }
+  });
   return 0;
 }
 

@@ -1,0 +1,19 @@
+// Row loops shared by fulcrum's kernels.
+#pragma once
+
+namespace fulcrum {
+
+// body(r) for every row r in [0, rows), the rows split between `num_threads` threads. A
+// single row (a lone decode's norm, SiLU, RoPE or KV write) runs on the calling thread: its
+// work is a microsecond or less, and waking a team for it costs about as much again.
+template <typename Body>
+inline void for_rows(int rows, int num_threads, const Body& body) {
+  if (rows == 1) {
+    body(0);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int r = 0; r < rows; ++r) body(r);
+}
+
+}  // namespace fulcrum
