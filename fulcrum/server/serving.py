@@ -9,6 +9,7 @@ loop; the engine thread only ever sees validated requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -212,6 +213,11 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[Tu
 
     Leaving early cancels every stream still running, which aborts its engine request.
     """
+    if len(streams) == 1:  # the common case, without a task and a wait per item
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:
