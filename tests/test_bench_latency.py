@@ -47,6 +47,10 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
         assert row["steps"] == 2 * 5  # 6 tokens: one from the prefill step, 5 decode steps
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_token"] * 1e3)
         assert 0 < row["share_of_roofline"] and row["bound"] in ("memory", "compute")
+        # the forward pass is part of the step: shorter, so nearer the roofline
+        assert 0 < row["forward_ms"] < row["ms_per_token"]
+        assert row["forward_share_of_roofline"] == pytest.approx(
+            row["roofline_ms"] / row["forward_ms"])
     # A probe after every step (each run: one prefill step, then 5 decode steps), and each
     # batch size judged against the median of its own probes, the same for both engines.
     probes = data["machine_limits"]["bandwidth_gb_per_s_probes"]

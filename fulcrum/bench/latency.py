@@ -17,7 +17,9 @@ better kept. A decode step must read every weight once (plus the KV cache of
 every request) and do 2 FLOPs per weight per request (plus attention), so its least possible
 time is max(bytes / bandwidth, FLOPs / peak): the roofline. The report gives each batch
 size's share of that bound: 100% would be a step that only streams weights and multiplies,
-with nothing else in the way.
+with nothing else in the way. The forward pass's own share (decoder stack and LM head, timed
+in the same steps) tells the kernels' distance from the bound apart from the engine's Python
+around them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
 from fulcrum.sampling_params import SamplingParams
+from fulcrum.stats import StepStats
 
 BATCH_SIZES = (1, 4, 16, 64)
 BANDWIDTH_BYTES = 512 << 20
@@ -110,10 +113,10 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
 
 def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
                  runs: int, rng: np.random.Generator,
-                 probe: Optional[BandwidthProbe] = None) -> List[float]:
-    """Wall times (s) of the full-batch decode steps of `runs` runs; `probe`, if given,
-    reads the bandwidth after every step."""
-    times: List[float] = []
+                 probe: Optional[BandwidthProbe] = None) -> List[StepStats]:
+    """The stats of the full-batch decode steps of `runs` runs; `probe`, if given, reads the
+    bandwidth after every step."""
+    steps: List[StepStats] = []
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for run in range(runs):
         first = len(engine.stats)
@@ -124,9 +127,9 @@ def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
             engine.step()
             if probe is not None:
                 probe()
-        times += [s.wall_seconds for s in list(engine.stats)[first:]
+        steps += [s for s in list(engine.stats)[first:]
                   if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
-    return times
+    return steps
 
 
 def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len: int,
@@ -136,8 +139,8 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
     for engine in engines.values():
         decode_steps(engine, 1, input_len, 4, 1, rng)  # warm-up
     peaks = {label: measure_peak_flops(e.runner.model, e.dtype) for label, e in engines.items()}
-    timed: Dict[str, Dict[int, List[float]]] = {label: {b: [] for b in batch_sizes}
-                                                for label in engines}
+    timed: Dict[str, Dict[int, List[StepStats]]] = {label: {b: [] for b in batch_sizes}
+                                                    for label in engines}
     probed: Dict[int, List[float]] = {}
     probe = BandwidthProbe()
     for batch in batch_sizes:
@@ -157,21 +160,25 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
                 str(batch): [r / 1e9 for r in readings] for batch, readings in probed.items()}},
             "engines": {label: {"weights_mb": step_work(engine, 1, 0)["weight_bytes"] / 1e6,
                                 "matrix_peak_gflops": peaks[label] / 1e9,
-                                "rows": [_row(engine, batch, times, context, bandwidth[batch],
+                                "rows": [_row(engine, batch, steps, context, bandwidth[batch],
                                               peaks[label])
-                                         for batch, times in timed[label].items()]}
+                                         for batch, steps in timed[label].items()]}
                         for label, engine in engines.items()}}
 
 
-def _row(engine: LLMEngine, batch: int, times: List[float], context: int, bandwidth: float,
-         peak: float) -> Dict[str, Any]:
-    step = statistics.median(times)
+def _row(engine: LLMEngine, batch: int, steps: List[StepStats], context: int,
+         bandwidth: float, peak: float) -> Dict[str, Any]:
+    step = statistics.median(s.wall_seconds for s in steps)
+    # The forward pass alone (decoder stack and LM head): what the kernels reach, apart from
+    # the engine's Python around them (scheduling, inputs, sampling, outputs).
+    forward = statistics.median(s.forward_seconds for s in steps)
     work = step_work(engine, batch, context)
     bound = max(work["bytes"] / bandwidth, work["flops"] / peak)
-    return {"batch": batch, "steps": len(times), "ms_per_token": 1e3 * step,
+    return {"batch": batch, "steps": len(steps), "ms_per_token": 1e3 * step,
             "tokens_per_s": batch / step, "bandwidth_gb_per_s": bandwidth / 1e9,
             "roofline_ms": 1e3 * bound,
             "roofline_tokens_per_s": batch / bound, "share_of_roofline": bound / step,
+            "forward_ms": 1e3 * forward, "forward_share_of_roofline": bound / forward,
             "bound": "memory" if work["bytes"] / bandwidth >= work["flops"] / peak
             else "compute",
             "achieved_gb_per_s": work["bytes"] / step / 1e9,
@@ -181,14 +188,16 @@ def _row(engine: LLMEngine, batch: int, times: List[float], context: int, bandwi
 # ----------------------------------------------------------------- report
 def table(data: Dict[str, Any]) -> List[str]:
     lines = ["| weights | batch | ms per output token | tokens/s | machine's bandwidth (GB/s) "
-             "| roofline (ms) | share of roofline | bound by | GB/s achieved | GFLOP/s achieved |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "| roofline (ms) | share of roofline | forward pass (ms) | its share "
+             "| bound by | GB/s achieved | GFLOP/s achieved |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for label, result in data["engines"].items():
         for r in result["rows"]:
             lines.append(f"| {label} | {r['batch']} | {r['ms_per_token']:.1f} | "
                          f"{r['tokens_per_s']:.0f} | {r['bandwidth_gb_per_s']:.1f} | "
                          f"{r['roofline_ms']:.1f} | "
-                         f"{100 * r['share_of_roofline']:.0f}% | {r['bound']} | "
+                         f"{100 * r['share_of_roofline']:.0f}% | {r['forward_ms']:.1f} | "
+                         f"{100 * r['forward_share_of_roofline']:.0f}% | {r['bound']} | "
                          f"{r['achieved_gb_per_s']:.1f} | {r['achieved_gflops']:.0f} |")
     return lines
 
@@ -214,7 +223,9 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
             f"(the {len(probes)} probes read {min(probes):.1f}-{max(probes):.1f} GB/s: this "
             f"machine's bandwidth drifts), and matrix peak in GFLOP/s {peaks} (each engine's "
             "own MLP projection on 512 rows); a decode step "
-            f"must read its weights ({weights}) plus the KV cache. "
+            f"must read its weights ({weights}) plus the KV cache. The forward pass is the "
+            "same steps' decoder stack and LM head alone, without the engine's Python around "
+            "them (scheduling, inputs, sampling, outputs). "
             f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
             f"![latency]({relative(json_path.with_suffix('.png'))})"]
