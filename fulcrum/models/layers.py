@@ -175,9 +175,9 @@ class Linear(nn.Linear):
         if self.qweight is not None:
             q, row_scale = kernels.quantize_rows_int8(x)
             y = (F.linear(q, self.qweight.float()) * row_scale * self.scale
-                 + (0 if self.packed_bias is None else self.packed_bias)).to(x.dtype)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+                 + (0 if self.packed_bias is None else self.packed_bias))
+            return y.to(out_dtype or x.dtype)  # fp32 products: no detour through x's dtype
+        y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
 
