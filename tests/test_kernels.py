@@ -11,7 +11,7 @@ from fulcrum import kernels
 
 needs_linear = pytest.mark.skipif(
     not kernels.supports_linear(torch.zeros(2, 2, dtype=torch.bfloat16)),
-    reason="no AVX512-BF16 linear kernel on this machine")
+    reason="no AVX512-BF16 or AVX2 linear kernel on this machine")
 
 
 @needs_linear
@@ -134,7 +134,7 @@ def _to_pair_layout(k_cache, v_cache, tables, lens):
 
 
 @pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
-                    reason="no AVX512-BF16 attention kernel on this machine")
+                    reason="no AVX512-BF16 or AVX2 attention kernel on this machine")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group,window", [(3, 0), (1, 0), (7, 0), (3, 21)])
 def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
@@ -167,7 +167,7 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
 
 
 @pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
-                    reason="no AVX512-BF16 attention kernel on this machine")
+                    reason="no AVX512-BF16 or AVX2 attention kernel on this machine")
 @pytest.mark.parametrize("num_kv_heads", [3, 4])
 @pytest.mark.parametrize("lens", [[70], [70, 33]])
 def test_paged_varlen_attention_shares_few_decodes_out_by_head_and_reads_queries_in_place(

@@ -11,7 +11,7 @@ from fulcrum.default_model import write_byte_level_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
-    reason="no AVX512-BF16 kernels on this machine")
+    reason="no AVX512-BF16 or AVX2 kernels on this machine")
 
 
 def build(folder, arch):

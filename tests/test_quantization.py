@@ -14,7 +14,7 @@ from fulcrum.models.layers import Linear
 
 needs_linear = pytest.mark.skipif(
     not kernels.supports_linear(torch.zeros(2, 2, dtype=torch.bfloat16)),
-    reason="no AVX512-BF16 linear kernel on this machine")
+    reason="no AVX512-BF16 or AVX2 linear kernel on this machine")
 
 
 def test_quantize_int8_rounds_per_output_channel():

@@ -2,8 +2,8 @@
 
 - paged_attention.cpp: attention reading the paged KV cache in place (decodes; in bf16
   whole steps, prefill chunks too);
-- linear_bf16.cpp: bfloat16 and int8 linear layers on AVX512-BF16 and VNNI CPUs, over
-  weights packed once;
+- linear_bf16.cpp: bfloat16 and int8 linear layers over weights packed once, on
+  AVX512-BF16 and VNNI CPUs or, widening the weights in registers, on AVX2 and FMA ones;
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass;
 - argmax.cpp: greedy sampling's argmax over fp32 logits, vectorised.
 
@@ -157,7 +157,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def supports_varlen(dtype: torch.dtype, cache_dtype: torch.dtype, group_size: int,
                     head_dim: int, block_size: int) -> bool:
-    """Whether `paged_varlen_attention` runs this case (bf16, 16-token blocks, head 64/128)."""
+    """Whether `paged_varlen_attention` runs this case (bf16, 16-token blocks, head 64/128,
+    a CPU with AVX512-BF16 or AVX2 and FMA)."""
     return (dtype == cache_dtype == torch.bfloat16 and block_size == 16
             and head_dim in (64, 128) and group_size <= 32 and paged_attention() is not None
             and paged_attention().paged_varlen_attention_bf16_supported() == 1)

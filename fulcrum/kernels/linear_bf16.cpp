@@ -1,4 +1,5 @@
-// bfloat16 linear layers on CPUs with AVX512-BF16: y = x @ W^T (+ bias).
+// bfloat16 linear layers on x86 CPUs with AVX512-BF16, or with AVX2 and FMA: y = x @ W^T
+// (+ bias).
 //
 // torch's bf16 matmul on such CPUs (oneDNN) runs well below the hardware's dot-product rate,
 // and at a handful of rows (decode steps) it is slower than reading the weights once would
@@ -23,11 +24,27 @@
 // vpdpbusd multiplies unsigned by signed bytes, so a row is stored as q + 128 and each panel
 // ends with its columns' weight sums times 128, which are subtracted.
 // Quantizing a row depends on that row alone: results do not depend on the batch.
+//
+// AVX2 CPUs (AMD before Zen 4, Intel before Cooper Lake) have neither instruction, and there
+// torch's bf16 matmul runs at a seventh of its fp32 rate (oneDNN has no bf16 kernel for them).
+// Their path reads the same packed panels (16 columns wide: one 64-byte line per input pair)
+// and widens each weight pair to two fp32 vectors with a shift and a mask, then runs fp32
+// FMAs; int8 products run on vpmaddubsw with the activation's sign moved onto the weight
+// (|q| <= 127, so no pair of products saturates int16), the int32 sums equal VNNI's.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define FULCRUM_LINEAR_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FULCRUM_LINEAR_AVX2 1
+#endif
+
+#if defined(FULCRUM_LINEAR_AVX512)
 #include <immintrin.h>
 
 namespace {
@@ -120,22 +137,6 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   }
 }
 
-// Every (panel, row tile) pair, threads splitting them; panels outermost, so a thread keeps
-// its panel in cache while the row tiles pass over it, and a small batch still spreads the
-// panels (each weight read once per call) over every core.
-template <typename Run>
-void for_tiles(int M, int N, int num_threads, const Run& run) {
-  const int panels = (N + kPanel - 1) / kPanel;
-  const int row_tiles = (M + kRows - 1) / kRows;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
-  for (int p = 0; p < panels; ++p) {
-    for (int t = 0; t < row_tiles; ++t) {
-      const int m0 = t * kRows, n0 = p * kPanel;
-      run(p, m0, M - m0 < kRows ? M - m0 : kRows, n0, N - n0 < kPanel ? N - n0 : kPanel);
-    }
-  }
-}
-
 using Bf16Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int, const float*, char*,
                           int64_t, int, bool);
 constexpr Bf16Tile kBf16Tiles[kRows + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
@@ -174,6 +175,177 @@ void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* r
   for (int k = K; k < ld; ++k) quantized[k] = 128;  // q = 0 against zero weights
 }
 
+// The bf16 tiles' rows: x as it is.
+struct Bf16Rows {
+  const uint16_t* data;
+  int64_t ld;
+};
+
+inline Bf16Rows bf16_rows(const uint16_t* x, int64_t ldx, int, int) { return {x, ldx}; }
+
+}  // namespace
+
+#elif defined(FULCRUM_LINEAR_AVX2)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kVectors = 2;              // ymm vectors of 8 fp32 columns per panel
+constexpr int kPanel = 8 * kVectors;     // output columns per packed panel
+constexpr int kRows = 4;                 // input rows per register tile
+
+// y = acc * scale + bias for one row's `columns` outputs of a panel, stored as bf16 or fp32.
+inline void store_row(const __m256* acc, const float* scale, float row_scale, const float* bias,
+                      void* out, int columns, bool out_f32) {
+  alignas(32) float y[kPanel];
+  for (int v = 0; v < kVectors; ++v) _mm256_store_ps(y + 8 * v, acc[v]);
+  for (int c = 0; c < columns; ++c) {
+    const float value = y[c] * ((scale ? scale[c] : 1.0f) * row_scale) + (bias ? bias[c] : 0.f);
+    if (out_f32) {
+      static_cast<float*>(out)[c] = value;
+    } else {
+      static_cast<uint16_t*>(out)[c] = fulcrum::float_to_bf16(value);
+    }
+  }
+}
+
+// bf16: a tile of M rows (already widened to fp32, `ldx` floats apart) x one panel. Each
+// 32-bit lane of a loaded vector holds one column's (k, k+1) pair: shifted left, k's weight;
+// masked, k+1's. One or two rows keep the pair's products in separate accumulators, so the
+// FMAs of a step do not wait on each other.
+template <int M>
+void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
+               const float* bias, char* out, int64_t ldo_bytes, int columns, bool out_f32) {
+  constexpr int kSplit = M <= 2 ? 2 : 1;
+  __m256 acc[M][kVectors][kSplit];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v)
+      for (int j = 0; j < kSplit; ++j) acc[m][v][j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int kp = 0; kp < pairs; ++kp) {
+    __m256 even[kVectors], odd[kVectors];
+    const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 16));
+      even[v] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+      odd[v] = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 a0 = _mm256_broadcast_ss(x + m * ldx + 2 * kp);
+      const __m256 a1 = _mm256_broadcast_ss(x + m * ldx + 2 * kp + 1);
+      for (int v = 0; v < kVectors; ++v) {
+        acc[m][v][0] = _mm256_fmadd_ps(a0, even[v], acc[m][v][0]);
+        acc[m][v][kSplit - 1] = _mm256_fmadd_ps(a1, odd[v], acc[m][v][kSplit - 1]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 sum[kVectors];
+    for (int v = 0; v < kVectors; ++v)
+      sum[v] = kSplit == 2 ? _mm256_add_ps(acc[m][v][0], acc[m][v][kSplit - 1]) : acc[m][v][0];
+    store_row(sum, nullptr, 1.0f, bias, out + m * ldo_bytes, columns, out_f32);
+  }
+}
+
+// int8: quads (k..k+3) of signed row bytes against the panel's signed weight bytes.
+// vpmaddubsw takes its first operand unsigned, so it gets |q| and the weights q's signs.
+template <int M>
+void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int8_t* panel,
+               int quads, const float* scale, const float* bias, char* out, int64_t ldo_bytes,
+               int columns, bool out_f32) {
+  __m256i acc[M][kVectors];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* rows[M];
+  for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int kq = 0; kq < quads; ++kq) {
+    __m256i b[kVectors];
+    const int8_t* w = panel + static_cast<int64_t>(kq) * kPanel * 4;
+    for (int v = 0; v < kVectors; ++v)
+      b[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 32));
+    for (int m = 0; m < M; ++m) {
+      const __m256i a = _mm256_set1_epi32(rows[m][kq]);
+      const __m256i magnitude = _mm256_sign_epi8(a, a);
+      for (int v = 0; v < kVectors; ++v) {
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(b[v], a));
+        acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 y[kVectors];
+    for (int v = 0; v < kVectors; ++v) y[v] = _mm256_cvtepi32_ps(acc[m][v]);
+    store_row(y, scale, row_scales[m], bias, out + m * ldo_bytes, columns, out_f32);
+  }
+}
+
+using Bf16Tile = void (*)(const float*, int64_t, const uint16_t*, int, const float*, char*,
+                          int64_t, int, bool);
+constexpr Bf16Tile kBf16Tiles[kRows + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
+                                            tile_bf16<4>};
+using Int8Tile = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int,
+                          const float*, const float*, char*, int64_t, int, bool);
+constexpr Int8Tile kInt8Tiles[kRows + 1] = {nullptr, tile_int8<1>, tile_int8<2>, tile_int8<3>,
+                                            tile_int8<4>};
+
+// Row m of x (K bf16) -> q (signed, zero-padded to whole quads) and its scale amax / 127, with
+// q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127.
+void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
+  float top = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    const float magnitude = std::fabs(fulcrum::bf16_to_float(x[k]));
+    top = magnitude > top ? magnitude : top;
+  }
+  // An IEEE division written so that -freciprocal-math cannot turn it into 127 * (1 / top).
+  const float inverse =
+      top > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), _mm_set_ss(top))) : 0.0f;
+  *row_scale = top / 127.0f;
+  for (int k = 0; k < K; ++k)
+    quantized[k] = static_cast<uint8_t>(static_cast<int8_t>(
+        _mm_cvtss_si32(_mm_set_ss(fulcrum::bf16_to_float(x[k]) * inverse))));
+  for (int k = K; k < ld; ++k) quantized[k] = 0;
+}
+
+// The bf16 tiles' rows: x's M rows of K bf16 widened to fp32, K floats apart (the tiles
+// broadcast single values).
+struct Bf16Rows {
+  const float* data;
+  int64_t ld;
+};
+
+Bf16Rows bf16_rows(const uint16_t* x, int64_t ldx, int M, int K) {
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>(M) * K);
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < K; ++k) widened[static_cast<size_t>(m) * K + k] =
+        fulcrum::bf16_to_float(x[m * ldx + k]);
+  return {widened.data(), K};
+}
+
+}  // namespace
+
+#endif
+
+#if defined(FULCRUM_LINEAR_AVX512) || defined(FULCRUM_LINEAR_AVX2)
+namespace {
+
+// Every (panel, row tile) pair, threads splitting them; panels outermost, so a thread keeps
+// its panel in cache while the row tiles pass over it, and a small batch still spreads the
+// panels (each weight read once per call) over every core.
+template <typename Run>
+void for_tiles(int M, int N, int num_threads, const Run& run) {
+  const int panels = (N + kPanel - 1) / kPanel;
+  const int row_tiles = (M + kRows - 1) / kRows;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+  for (int p = 0; p < panels; ++p) {
+    for (int t = 0; t < row_tiles; ++t) {
+      const int m0 = t * kRows, n0 = p * kPanel;
+      run(p, m0, M - m0 < kRows ? M - m0 : kRows, n0, N - n0 < kPanel ? N - n0 : kPanel);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -191,8 +363,9 @@ int fulcrum_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed,
   const int64_t panel_size = static_cast<int64_t>(pairs) * kPanel * 2;
   const int64_t item = out_f32 ? 4 : 2;
   char* base = static_cast<char*>(out);
+  const Bf16Rows in = bf16_rows(x, ldx, M, K);
   for_tiles(M, N, num_threads, [&](int p, int m0, int rows, int n0, int columns) {
-    kBf16Tiles[rows](x + m0 * ldx, ldx, packed + p * panel_size, pairs,
+    kBf16Tiles[rows](in.data + m0 * in.ld, in.ld, packed + p * panel_size, pairs,
                      bias ? bias + n0 : nullptr, base + (m0 * ldo + n0) * item, ldo * item,
                      columns, out_f32 != 0);
   });
@@ -227,7 +400,7 @@ int fulcrum_linear_int8(const uint16_t* x, int64_t ldx, const int8_t* packed,
 
 }  // extern "C"
 
-#else  // no AVX512-BF16 and VNNI: the caller uses torch's matmul
+#else  // neither AVX512-BF16 and VNNI nor AVX2 and FMA: the caller uses torch's matmul
 
 extern "C" {
 int fulcrum_linear_bf16_supported() { return 0; }

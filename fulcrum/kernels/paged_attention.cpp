@@ -18,6 +18,11 @@
 #include "vector_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FULCRUM_VARLEN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FULCRUM_VARLEN_AVX2 1
+#endif
+#if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -132,7 +137,38 @@ void decode_one(const Q* q, const C* k_cache, const C* v_cache, const int64_t* t
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
+
+// The bf16 cache layouts of the varlen path (fulcrum/attention.py, CpuVarlenAttentionBackend),
+// both [blocks, kv_heads, ...] so one block's heads are contiguous:
+//   keys   [blocks, kv_heads, head_dim / 2, 16 tokens, 2]: (dim, dim + 1) pairs per token;
+//   values [blocks, kv_heads, 8 token pairs, head_dim, 2]: (token, token + 1) pairs per dim.
+// Both are the operand order of vdpbf16ps, so the AVX-512 kernel feeds cache lines to it
+// unchanged; the AVX2 kernel widens each 32-bit pair to two fp32 lanes (a shift, a mask).
+//
+// A work item queries `rows` consecutive positions of one sequence for KV heads [kv_head,
+// kv_head + heads): row r sees the first `first_len + r` tokens of the context (causal), less
+// any sliding window. Each block is read once per work item and serves all its rows x group
+// query vectors, so a prefill chunk costs one pass over its context, not one per row; with
+// all heads in one item (decodes), a block's bytes are one contiguous read.
+using AttendFn = void (*)(const uint16_t*, int64_t, int, int64_t, const uint16_t*,
+                          const uint16_t*, const int64_t*, uint16_t*, int64_t, int, int, int,
+                          int, float, int);
+
+// The first token a row of context length `len` may see (a sliding window's start).
+inline int64_t window_start(int64_t len, int window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+}
+
+// Bit j set when token j of 16-token block b is one a row of context length `len` sees.
+inline unsigned visible_tokens(int64_t b, int64_t len, int window) {
+  const int64_t lo = std::max<int64_t>(window_start(len, window) - b * 16, 0);
+  const int64_t hi = std::min<int64_t>(len - b * 16, 16);
+  if (hi <= lo) return 0;
+  return ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
+#if defined(FULCRUM_VARLEN_AVX512)
 // bf16 queries over a bf16 cache with 16-token blocks: the common serving case, on
 // vdpbf16ps (pairs of bf16 products accumulated in fp32). Per block, keys and values are
 // first rearranged into (dim, dim+1) and (token, token+1) pairs in a stack tile, so each
@@ -141,19 +177,6 @@ void decode_one(const Q* q, const C* k_cache, const C* v_cache, const int64_t* t
 // does on GPUs; the softmax itself is fp32.
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
-
-// The bf16 cache layouts of this path (fulcrum/attention.py, CpuVarlenAttentionBackend),
-// both [blocks, kv_heads, ...] so one block's heads are contiguous:
-//   keys   [blocks, kv_heads, head_dim / 2, 16 tokens, 2]: (dim, dim + 1) pairs per token;
-//   values [blocks, kv_heads, 8 token pairs, head_dim, 2]: (token, token + 1) pairs per dim.
-// Both are the operand order of vdpbf16ps, so the kernel feeds cache lines to it unchanged.
-//
-// Queries `rows` consecutive positions of one sequence for KV heads [kv_head, kv_head +
-// heads): row r sees the first `first_len + r` tokens of the context (causal), less any
-// sliding window. Each block is read once per work item and serves all its rows x group
-// query vectors, so a prefill chunk costs one pass over its context, not one per row; with
-// all heads in one item (decodes), a block's bytes are one contiguous read.
 template <int kDim, int kChunk>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
@@ -178,15 +201,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
     running_max[i] = -1e30f;
   }
   const int64_t last_len = first_len + rows - 1;
-  auto row_start = [&](int64_t len) {
-    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
-  };
-  // The token range [lo, hi) of a block that a row of context length len may see.
   auto block_mask = [&](int64_t b, int64_t len) -> __mmask16 {
-    const int64_t lo = std::max<int64_t>(row_start(len) - b * kBlock, 0);
-    const int64_t hi = std::min<int64_t>(len - b * kBlock, kBlock);
-    if (hi <= lo) return 0;
-    return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    return static_cast<__mmask16>(visible_tokens(b, len, window));
   };
   auto tile = [&](const uint16_t* cache, int64_t b, int h) {
     return cache + (table[b] * num_kv_heads + h) * kTile;
@@ -205,7 +221,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   __m512i value_pairs[kSpan][kBlock / 2][kVecs];
   int first_pair[kSpan], end_pair[kSpan];
   unsigned used[kSpan];
-  for (int64_t b0 = row_start(first_len) / kBlock; b0 < end_block; b0 += kSpan) {
+  for (int64_t b0 = window_start(first_len, window) / kBlock; b0 < end_block;
+       b0 += kSpan) {
     const int span = static_cast<int>(std::min<int64_t>(kSpan, end_block - b0));
     for (int j = 0; j < kSpan; ++j) {
       used[j] = 0;
@@ -330,6 +347,128 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   }
 }
 
+// A decode has `group` vectors per head: chunks of 3 waste no lane when 3 divides it.
+template <int kDim>
+AttendFn pick_attend(int rows, int group) {
+  return rows == 1 && group % 3 == 0 ? attend_bf16_block16<kDim, 3>
+                                     : attend_bf16_block16<kDim, 4>;
+}
+
+#elif defined(FULCRUM_VARLEN_AVX2)
+// The same contract on AVX2 and FMA, in fp32: each query vector takes a block's 16 scores as
+// two vectors of 8 tokens, the keys' (dim, dim + 1) pairs widened in registers; then its
+// exact (fp32) weights times the values' widened (token, token + 1) pairs. Two query vectors
+// go together, so each widened key pair feeds eight independent FMA chains.
+template <int kDim>
+void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
+                       const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                       uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
+                       int num_kv_heads, int group, float scale, int window) {
+  constexpr int kBlock = 16;
+  constexpr int kVecs = kDim / 8;
+  constexpr int kTile = kDim * kBlock;
+  const int per_head = rows * group;
+  const int vectors = heads * per_head;
+  alignas(32) float query[kMaxVectors + 1][kDim];
+  alignas(32) float acc[kMaxVectors + 1][kDim];
+  float running_max[kMaxVectors + 1], running_sum[kMaxVectors + 1];
+  int row_of[kMaxVectors + 1];
+  for (int i = 0; i < vectors; ++i) {
+    const int h = i / per_head, r = i % per_head / group, g = i % group;
+    row_of[i] = r;
+    const uint16_t* source = q + r * q_row_stride + ((kv_head + h) * group + g) * kDim;
+    for (int d = 0; d < kDim; ++d) {
+      query[i][d] = bf16_to_float(source[d]) * scale;
+      acc[i][d] = 0.f;
+    }
+    running_max[i] = -1e30f;
+    running_sum[i] = 0.f;
+  }
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto even = [](__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); };
+  auto odd = [&](__m256i bits) { return _mm256_castsi256_ps(_mm256_and_si256(bits, high)); };
+  const int64_t last_len = first_len + rows - 1;
+  const int64_t end_block = (last_len + kBlock - 1) / kBlock;
+  for (int64_t b = window_start(first_len, window) / kBlock; b < end_block; ++b) {
+    const unsigned used = visible_tokens(b, last_len, window) |
+                          visible_tokens(b, first_len, window);
+    if (!used) continue;
+    // Per token pair, the halves to keep: unwritten slots may hold NaN, and 0 * NaN is NaN.
+    __m256i keep[kBlock / 2];
+    for (int tp = 0; tp < kBlock / 2; ++tp)
+      keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
+                                                    (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
+    for (int h = 0; h < heads; ++h) {
+      const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
+      const __m256i* keys = reinterpret_cast<const __m256i*>(k_cache + offset);
+      const uint16_t* values = v_cache + offset;
+      for (int i0 = h * per_head; i0 < (h + 1) * per_head; i0 += 2) {
+        const int pair = std::min(2, (h + 1) * per_head - i0);
+        __m256 scores[2][2][2] = {};  // [vector][tokens 0-7, 8-15][dim even, odd]
+        for (int dp = 0; dp < kDim / 2; ++dp) {
+          const __m256i lo = _mm256_loadu_si256(keys + 2 * dp);
+          const __m256i hi = _mm256_loadu_si256(keys + 2 * dp + 1);
+          for (int c = 0; c < 2; ++c) {
+            const __m256 q0 = _mm256_broadcast_ss(&query[i0 + c][2 * dp]);
+            const __m256 q1 = _mm256_broadcast_ss(&query[i0 + c][2 * dp + 1]);
+            scores[c][0][0] = _mm256_fmadd_ps(q0, even(lo), scores[c][0][0]);
+            scores[c][0][1] = _mm256_fmadd_ps(q1, odd(lo), scores[c][0][1]);
+            scores[c][1][0] = _mm256_fmadd_ps(q0, even(hi), scores[c][1][0]);
+            scores[c][1][1] = _mm256_fmadd_ps(q1, odd(hi), scores[c][1][1]);
+          }
+        }
+        for (int c = 0; c < pair; ++c) {
+          const int i = i0 + c;
+          const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
+          if (!visible) continue;
+          alignas(32) float p[kBlock];
+          _mm256_store_ps(p, _mm256_add_ps(scores[c][0][0], scores[c][0][1]));
+          _mm256_store_ps(p + 8, _mm256_add_ps(scores[c][1][0], scores[c][1][1]));
+          float tile_max = running_max[i];
+          for (int j = 0; j < kBlock; ++j)
+            if (visible >> j & 1u) tile_max = std::max(tile_max, p[j]);
+          for (int j = 0; j < kBlock; ++j) p[j] = visible >> j & 1u ? p[j] - tile_max : -1e30f;
+          for (int half = 0; half < 2; ++half)
+            _mm256_store_ps(p + 8 * half, fulcrum::exp256(_mm256_load_ps(p + 8 * half)));
+          float tile_sum = 0.f;
+          for (int j = 0; j < kBlock; ++j) {
+            p[j] = visible >> j & 1u ? p[j] : 0.f;
+            tile_sum += p[j];
+          }
+          const float correction = std::exp(running_max[i] - tile_max);
+          running_max[i] = tile_max;
+          running_sum[i] = running_sum[i] * correction + tile_sum;
+          const __m256 corr = _mm256_set1_ps(correction);
+          for (int v = 0; v < kVecs; ++v) {
+            __m256 sum = _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * v), corr);
+            for (int tp = 0; tp < kBlock / 2; ++tp) {
+              if (!(used >> (2 * tp) & 3u)) continue;
+              const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(values + (tp * kDim + 8 * v) * 2)));
+              sum = _mm256_fmadd_ps(_mm256_set1_ps(p[2 * tp]), even(bits), sum);
+              sum = _mm256_fmadd_ps(_mm256_set1_ps(p[2 * tp + 1]), odd(bits), sum);
+            }
+            _mm256_store_ps(acc[i] + 8 * v, sum);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < vectors; ++i) {
+    const int h = i / per_head, r = i % per_head / group, g = i % group;
+    const float inv = 1.f / running_sum[i];
+    uint16_t* o = out + r * out_row_stride + ((kv_head + h) * group + g) * kDim;
+    for (int d = 0; d < kDim; ++d) o[d] = float_to_bf16(acc[i][d] * inv);
+  }
+}
+
+template <int kDim>
+AttendFn pick_attend(int, int) {
+  return attend_pairs_avx2<kDim>;
+}
+#endif
+
+#if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
 template <int kDim>
 int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                         const uint16_t* v_cache, const int64_t* tables,
@@ -373,12 +512,10 @@ int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_c
     const int rows = static_cast<int>(std::min<int64_t>(tile_rows, end - item.row));
     // Row `row` is query number row - query_start[s] of the sequence's new tokens.
     const int64_t first_len = seq_lens[item.seq] - (end - item.row) + 1;
-    // A decode has `group` vectors per head: chunks of 3 waste no lane when 3 divides it.
-    const auto attend = rows == 1 && group % 3 == 0 ? attend_bf16_block16<kDim, 3>
-                                                    : attend_bf16_block16<kDim, 4>;
-    attend(q + item.row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
-           tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * out_stride,
-           out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, window);
+    pick_attend<kDim>(rows, group)(
+        q + item.row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
+        tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * out_stride,
+        out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, window);
   }
   return 0;
 }
@@ -461,7 +598,7 @@ int paged_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v,
 }
 
 int paged_varlen_attention_bf16_supported() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
   return 1;
 #else
   return 0;
@@ -480,7 +617,7 @@ int paged_varlen_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                                 uint16_t* out, int num_seqs, int num_heads, int num_kv_heads,
                                 int head_dim, int block_size, int max_blocks, float scale,
                                 int window, int num_threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
   if (block_size == 16 && head_dim == 64)
     return varlen_bf16_block16<64>(q, q_stride, k, v, tables, query_start, seq_lens, out,
                                    num_seqs, num_heads, num_kv_heads, max_blocks, scale,

@@ -1,5 +1,15 @@
-// AVX-512 math shared by fulcrum's kernels.
+// Vector math shared by fulcrum's kernels (AVX-512, or AVX2 with FMA).
 #pragma once
+
+namespace fulcrum {
+
+// e^x for x in [-87, 88] (clamped outside): 2^n * 2^f with f in [-0.5, 0.5] and a degree-6
+// Taylor polynomial for 2^f (relative error < 2e-7); its coefficients, highest power first.
+constexpr float kExp2Taylor[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                  2.4022651e-1f, 6.9314718e-1f, 1.f};
+
+}  // namespace fulcrum
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
@@ -7,20 +17,13 @@
 
 namespace fulcrum {
 
-// e^x for x in [-87, 88] (clamped outside): 2^n * 2^f with f in [-0.5, 0.5] and a degree-6
-// Taylor polynomial for 2^f (relative error < 2e-7).
 inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -49,6 +52,28 @@ inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
 // Lanes [i, i + 16) of a row of `width` values that exist.
 inline __mmask16 tail_mask(int i, int width) {
   return width - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - i)) - 1);
+}
+
+}  // namespace fulcrum
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace fulcrum {
+
+// exp512's method on 8 lanes: 2^n by building the exponent's bits (n in [-126, 127] after
+// the clamp, so no scalef is needed).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[i]));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 }  // namespace fulcrum

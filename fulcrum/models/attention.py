@@ -157,7 +157,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
 
 class CpuVarlenAttentionBackend(AttentionBackend):
-    """bf16 on AVX512-BF16 CPUs: all of a step's query tokens, decodes and prefill chunks
+    """bf16 on AVX512-BF16 or AVX2 CPUs: all of a step's query tokens, decodes and prefill chunks
     alike, in one native call that reads keys and values in place from the block tables.
     No context is gathered and no mask is built, so a chunk costs the same whether its
     context came from this prompt's earlier chunks or from the prefix cache. Its cache is

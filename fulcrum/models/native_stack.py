@@ -1,7 +1,7 @@
 """The decoder stack of a step in one native call (fulcrum/kernels/decoder_stack.cpp).
 
-Used where every piece has its native kernel: bf16 on a CPU with AVX512-BF16, the varlen
-attention backend, packed linear layers (bf16 or int8) and no per-head q/k norm. It runs the
+Used where every piece has its native kernel: bf16 on a CPU with AVX512-BF16 or AVX2, the
+varlen attention backend, packed linear layers (bf16 or int8) and no per-head q/k norm. It runs the
 same kernels in the same order as the Python layers, so its outputs are the same bit for bit;
 what it saves is the Python between ~12 kernel calls a layer (and around the embedding lookup
 and the final norm), which at batch 1 costs about as much as reading the weights.
