@@ -355,6 +355,25 @@ AttendFn pick_attend(int rows, int group) {
 }
 
 #elif defined(FULCRUM_VARLEN_AVX2)
+// The largest and the sum of a vector's 8 lanes.
+inline float max_of(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float sum_of(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// All-ones lanes where `bits` has the lane's bit (`lane_bits`: one distinct bit per lane).
+inline __m256 lanes(unsigned bits, __m256i lane_bits) {
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+      _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bits), lane_bits));
+}
+
 // The same contract on AVX2 and FMA, in fp32: each query vector takes a block's 16 scores as
 // two vectors of 8 tokens, the keys' (dim, dim + 1) pairs widened in registers; then its
 // exact (fp32) weights times the values' widened (token, token + 1) pairs. Two query vectors
@@ -387,6 +406,9 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto even = [](__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); };
   auto odd = [&](__m256i bits) { return _mm256_castsi256_ps(_mm256_and_si256(bits, high)); };
+  const __m256i low_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i high_bits = _mm256_slli_epi32(low_bits, 8);
+  const __m256 floor = _mm256_set1_ps(-1e30f);
   const int64_t last_len = first_len + rows - 1;
   const int64_t end_block = (last_len + kBlock - 1) / kBlock;
   for (int64_t b = window_start(first_len, window) / kBlock; b < end_block; ++b) {
@@ -421,34 +443,42 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           const int i = i0 + c;
           const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
           if (!visible) continue;
-          alignas(32) float p[kBlock];
-          _mm256_store_ps(p, _mm256_add_ps(scores[c][0][0], scores[c][0][1]));
-          _mm256_store_ps(p + 8, _mm256_add_ps(scores[c][1][0], scores[c][1][1]));
-          float tile_max = running_max[i];
-          for (int j = 0; j < kBlock; ++j)
-            if (visible >> j & 1u) tile_max = std::max(tile_max, p[j]);
-          for (int j = 0; j < kBlock; ++j) p[j] = visible >> j & 1u ? p[j] - tile_max : -1e30f;
+          const __m256 seen[2] = {lanes(visible, low_bits), lanes(visible, high_bits)};
+          __m256 s[2];
           for (int half = 0; half < 2; ++half)
-            _mm256_store_ps(p + 8 * half, fulcrum::exp256(_mm256_load_ps(p + 8 * half)));
-          float tile_sum = 0.f;
-          for (int j = 0; j < kBlock; ++j) {
-            p[j] = visible >> j & 1u ? p[j] : 0.f;
-            tile_sum += p[j];
+            s[half] = _mm256_blendv_ps(
+                floor, _mm256_add_ps(scores[c][half][0], scores[c][half][1]), seen[half]);
+          const float tile_max = std::max(running_max[i], max_of(_mm256_max_ps(s[0], s[1])));
+          alignas(32) float p[kBlock];
+          __m256 total = _mm256_setzero_ps();
+          for (int half = 0; half < 2; ++half) {
+            const __m256 weight = _mm256_and_ps(
+                fulcrum::exp256(_mm256_sub_ps(s[half], _mm256_set1_ps(tile_max))), seen[half]);
+            _mm256_store_ps(p + 8 * half, weight);
+            total = _mm256_add_ps(total, weight);
           }
           const float correction = std::exp(running_max[i] - tile_max);
           running_max[i] = tile_max;
-          running_sum[i] = running_sum[i] * correction + tile_sum;
-          const __m256 corr = _mm256_set1_ps(correction);
-          for (int v = 0; v < kVecs; ++v) {
-            __m256 sum = _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * v), corr);
+          running_sum[i] = running_sum[i] * correction + sum_of(total);
+          // kGroup output vectors at a time stay in registers over the block's token pairs.
+          constexpr int kGroup = kVecs < 8 ? kVecs : 8;
+          for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
+            __m256 sum[kGroup];
+            for (int v = 0; v < kGroup; ++v)
+              sum[v] = _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * (v0 + v)),
+                                     _mm256_set1_ps(correction));
             for (int tp = 0; tp < kBlock / 2; ++tp) {
               if (!(used >> (2 * tp) & 3u)) continue;
-              const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
-                  reinterpret_cast<const __m256i*>(values + (tp * kDim + 8 * v) * 2)));
-              sum = _mm256_fmadd_ps(_mm256_set1_ps(p[2 * tp]), even(bits), sum);
-              sum = _mm256_fmadd_ps(_mm256_set1_ps(p[2 * tp + 1]), odd(bits), sum);
+              const __m256 p0 = _mm256_set1_ps(p[2 * tp]), p1 = _mm256_set1_ps(p[2 * tp + 1]);
+              const uint16_t* pairs = values + tp * kDim * 2;
+              for (int v = 0; v < kGroup; ++v) {
+                const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v))));
+                sum[v] = _mm256_fmadd_ps(p0, even(bits), sum[v]);
+                sum[v] = _mm256_fmadd_ps(p1, odd(bits), sum[v]);
+              }
             }
-            _mm256_store_ps(acc[i] + 8 * v, sum);
+            for (int v = 0; v < kGroup; ++v) _mm256_store_ps(acc[i] + 8 * (v0 + v), sum[v]);
           }
         }
       }
