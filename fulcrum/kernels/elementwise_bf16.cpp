@@ -49,6 +49,20 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
       squares = _mm512_fmadd_ps(v, v, squares);
     }
     sum = _mm512_reduce_add_ps(squares);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 squares = _mm256_setzero_ps();
+    for (; i + 8 <= width; i += 8) {
+      __m256 v = fulcrum::load_bf16x8(in + i);
+      if (res) {
+        v = fulcrum::round_bf16x8(_mm256_add_ps(v, fulcrum::load_bf16x8(res + i)));
+        fulcrum::store_bf16x8(res + i, v);
+      }
+      _mm256_storeu_ps(values + i, v);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, squares);
+    for (const float lane : lanes) sum += lane;
 #endif
     for (; i < width; ++i) {
       float v = bf16_to_float(in[i]);
@@ -68,6 +82,12 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
           _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, values + i), _mm512_set1_ps(inv)));
       fulcrum::store_bf16(o + i, _mm512_mul_ps(fulcrum::load_bf16(weight + i, mask), normed),
                           mask);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= width; i += 8) {
+      const __m256 normed = fulcrum::round_bf16x8(
+          _mm256_mul_ps(_mm256_loadu_ps(values + i), _mm256_set1_ps(inv)));
+      fulcrum::store_bf16x8(o + i, _mm256_mul_ps(fulcrum::load_bf16x8(weight + i), normed));
     }
 #endif
     for (; i < width; ++i)
@@ -94,6 +114,14 @@ int fulcrum_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int 
       const __m512 silu =
           fulcrum::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
       fulcrum::store_bf16(o + i, _mm512_mul_ps(silu, fulcrum::load_bf16(up + i, mask)), mask);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= width; i += 8) {
+      const __m256 g = fulcrum::load_bf16x8(gate + i);
+      const __m256 e = fulcrum::exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 silu =
+          fulcrum::round_bf16x8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+      fulcrum::store_bf16x8(o + i, _mm256_mul_ps(silu, fulcrum::load_bf16x8(up + i)));
     }
 #endif
     for (; i < width; ++i) {

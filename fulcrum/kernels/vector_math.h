@@ -60,6 +60,8 @@ inline __mmask16 tail_mask(int i, int width) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace fulcrum {
 
 // exp512's method on 8 lanes: 2^n by building the exponent's bits (n in [-126, 127] after
@@ -74,6 +76,33 @@ inline __m256 exp256(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// 8 bf16 values widened to fp32 lanes.
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// Each lane rounded to bf16 as bf16.h's float_to_bf16 does (nearest even; NaN stays NaN),
+// its 16 bits in the lane's low half.
+inline __m256i bf16_bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+
+inline __m256 round_bf16x8(__m256 x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
+}
+
+inline void store_bf16x8(uint16_t* p, __m256 x) {
+  const __m256i bits = bf16_bits(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(
+      _mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
 }
 
 }  // namespace fulcrum
