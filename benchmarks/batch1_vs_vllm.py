@@ -11,10 +11,12 @@ round's median TPOT, and of each round's ratio). Needs the vLLM peer
 place), else fulcrum runs alone.
 
     python benchmarks/batch1_vs_vllm.py       # writes results/batch1_vs_vllm.{json,md}
+    python benchmarks/batch1_vs_vllm.py --name batch1_vs_vllm-avx2   # another machine's results
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -64,6 +66,10 @@ def round_tpot(kind: str, flags: list, model: str) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="batch1_vs_vllm",
+                        help="results/<name>.json and .md (keep each machine's apart)")
+    stem = parser.parse_args().name
     model = shape_dir("smollm2-135m")
     engines = dict(ENGINES)
     if not (VLLM_VENV / "bin" / "vllm").exists():
@@ -85,19 +91,23 @@ def main() -> None:
     data = {"rounds": ROUNDS, "requests": REQUESTS, "prompt_tokens": PROMPT,
             "output_tokens": OUTPUT, "results": results, "machine": machine_facts()}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batch1_vs_vllm.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    machine = data["machine"]
+    command = "python benchmarks/batch1_vs_vllm.py" + (
+        "" if stem == "batch1_vs_vllm" else f" --name {stem}")
     lines = ["# One request decoding alone: fulcrum beside vLLM", "",
              f"smollm2-135m shape, dummy weights, one streaming client, {REQUESTS} requests one "
              f"after another ({PROMPT}-token prompts, {OUTPUT} output tokens), each server alone "
              f"on the machine, the servers taking turns for {ROUNDS} rounds; medians over "
              f"rounds (of each round's median TPOT, and of each round's ratio to vLLM's); "
-             f"{data['machine']['date']}. Regenerate: `python benchmarks/batch1_vs_vllm.py`.", "",
+             f"{machine['cpu']}, {machine['cores']} cores, fulcrum's kernels: "
+             f"{machine['kernels']}; {machine['date']}. Regenerate: `{command}`.", "",
              "| engine | TPOT median (ms) | rounds (ms) | vs vLLM |", "|---|---:|---:|---:|"]
     for name, r in results.items():
         ratio = f"{r['vs_vllm_median']:.2f}x" if base else "-"
         each = ", ".join(f"{v:.1f}" for v in r["tpot_ms_per_round"])
         lines.append(f"| {name} | {r['tpot_ms_median']:.1f} | {each} | {ratio} |")
-    (RESULTS / "batch1_vs_vllm.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

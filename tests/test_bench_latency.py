@@ -61,8 +61,10 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
         assert quantized["rows"][i]["bandwidth_gb_per_s"] == full["rows"][i]["bandwidth_gb_per_s"]
     assert full["matrix_peak_gflops"] > 0 and quantized["matrix_peak_gflops"] > 0
     data["setup"] = {"shape": "tiny", "dtype": "float32", "input_len": 5, "output_len": 6,
-                     "machine": {"date": "today"}, "command": "fulcrum bench latency"}
+                     "machine": {"cpu": "Some CPU", "cores": 2, "kernels": "avx2",
+                                 "date": "today"}, "command": "fulcrum bench latency"}
     lines = summary(data, Path("/r/latency.json"), Path("/docs"))
+    assert "Some CPU, 2 cores, avx2 kernels, today; [raw](../r/latency.json)" in lines[3]
     assert lines[1] == "## Latency against the roofline"
     assert lines[-1] == "![latency](../r/latency.png)"
     assert sum(line.startswith("| float32 | ") or line.startswith("| int8 | ")

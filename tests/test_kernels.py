@@ -14,6 +14,23 @@ needs_linear = pytest.mark.skipif(
     reason="no AVX512-BF16 or AVX2 linear kernel on this machine")
 
 
+def test_instruction_set_names_the_kernels_that_run(kernel_path):
+    """What benchmarks record: the build the linear kernel has on this CPU, or "torch" where
+    there is none (disabled here by the torch half of the fixture)."""
+    isa = kernels.instruction_set()
+    has_kernel = kernels.supports_linear(torch.zeros(2, 2, dtype=torch.bfloat16))
+    if kernel_path == "torch":
+        assert isa == "torch" and not has_kernel
+    else:
+        assert isa in ("avx512-bf16", "avx2", "torch") and has_kernel == (isa != "torch")
+        flags = set(next(line for line in open("/proc/cpuinfo")
+                         if line.startswith("flags")).split(":", 1)[1].split())
+        if isa == "avx2":
+            assert {"avx2", "fma"} <= flags and not {"avx512_bf16", "avx512_vnni"} <= flags
+        if isa == "avx512-bf16":
+            assert {"avx512_bf16", "avx512_vnni"} <= flags
+
+
 @needs_linear
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (49, 30)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])

@@ -44,6 +44,7 @@ from fulcrum.stats import StepStats
 
 BATCH_SIZES = (1, 4, 16, 64)
 BANDWIDTH_BYTES = 512 << 20
+DEFAULT_OUTPUT_DIR = "benchmarks/results/latency"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=3,
                         help="runs per batch size (vLLM's flag); steps of all runs pooled")
-    parser.add_argument("--output-dir", default="benchmarks/results/latency")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
 
 
 # ----------------------------------------------------------------- machine limits
@@ -226,9 +227,16 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
             f"must read its weights ({weights}) plus the KV cache. The forward pass is the "
             "same steps' decoder stack and LM head alone, without the engine's Python around "
             "them (scheduling, inputs, sampling, outputs). "
-            f"{setup['machine']['date']}; [raw]({relative(json_path)}); `{setup['command']}` "
+            f"{_where(setup['machine'])}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
             f"![latency]({relative(json_path.with_suffix('.png'))})"]
+
+
+def _where(machine: Dict[str, Any]) -> str:
+    """The machine and date of a run (and which kernels ran, where recorded: their build
+    for the CPU's instruction set sets every figure)."""
+    kernels_used = f", {machine['kernels']} kernels" if "kernels" in machine else ""
+    return f"{machine['cpu']}, {machine['cores']} cores{kernels_used}, {machine['date']}"
 
 
 def plot(data: Dict[str, Any], path: Path) -> None:
@@ -268,7 +276,9 @@ def run_latency(args: argparse.Namespace) -> None:
                      "command": f"fulcrum bench latency --shape {args.shape} --batch-sizes "
                                 f"{sizes} --input-len {args.input_len} --output-len "
                                 f"{args.output_len} --num-iters {args.num_iters} "
-                                f"--quantizations {' '.join(args.quantizations)}"}
+                                f"--quantizations {' '.join(args.quantizations)}"
+                                + ("" if args.output_dir == DEFAULT_OUTPUT_DIR
+                                   else f" --output-dir {args.output_dir}")}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "latency.json"

@@ -303,6 +303,7 @@ def machine_facts() -> Dict[str, Any]:
     import torch
 
     import fulcrum
+    from fulcrum import kernels
 
     def first(path: str, key: str) -> str:
         for line in Path(path).read_text().splitlines():
@@ -311,7 +312,8 @@ def machine_facts() -> Dict[str, Any]:
         return "unknown"
 
     ram_gib = int(first("/proc/meminfo", "MemTotal").split()[0]) / 2 ** 20
-    return {"cpu": first("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
+    return {"cpu": first("/proc/cpuinfo", "model name"), "kernels": kernels.instruction_set(),
+            "cores": os.cpu_count(),
             "ram_gib": round(ram_gib, 1), "os": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": importlib.metadata.version("transformers"),
@@ -359,7 +361,8 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
         f"[{md_path.with_suffix('.json').name}]({md_path.with_suffix('.json').name})).", "",
         "## Machine", "",
         f"- CPU: {facts['cpu']}, {facts['cores']} cores, {facts['ram_gib']} GiB RAM "
-        f"({facts['os']})",
+        f"({facts['os']})" + (f"; fulcrum's kernels: {facts['kernels']}" if "kernels" in facts
+                             else ""),
         f"- python {facts['python']}, torch {facts['torch']}, transformers "
         f"{facts['transformers']}, fulcrum {facts['fulcrum']}"
         + (f", vLLM {setup['vllm_version']}" if setup.get("vllm_version") else ""),

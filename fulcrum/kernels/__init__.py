@@ -230,6 +230,17 @@ def _linear_library() -> Optional[ctypes.CDLL]:
     return library
 
 
+def instruction_set() -> str:
+    """Which build of the bf16 kernels this CPU runs: "avx512-bf16", "avx2", or "torch" (none:
+    the portable path). Benchmarks record it, since their figures depend on it."""
+    library = _library("linear_bf16")
+    if library is None:
+        return "torch"
+    library.fulcrum_linear_bf16_isa.restype = ctypes.c_char_p
+    isa = library.fulcrum_linear_bf16_isa().decode()
+    return "torch" if isa == "none" else isa
+
+
 def supports_linear(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in]) can run through the packed bf16 kernel."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
