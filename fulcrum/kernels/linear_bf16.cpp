@@ -239,6 +239,9 @@ void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
       }
     }
   }
+  // Unrolled, so the accumulators stay registers: left a loop over m, it made GCC keep them
+  // in memory too, storing every one on every step of the K loop.
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
     __m256 sum[kVectors];
     for (int v = 0; v < kVectors; ++v)
@@ -253,9 +256,11 @@ template <int M>
 void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int8_t* panel,
                int quads, const float* scale, const float* bias, char* out, int64_t ldo_bytes,
                int columns, bool out_f32) {
-  __m256i acc[M][kVectors];
+  // __v8si, not __m256i, as in the AVX-512 int8 tile: with the may_alias type GCC kept
+  // some of a 4-row tile's accumulators in memory
+  __v8si acc[M][kVectors];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm256_setzero_si256();
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = __v8si{};
   const __m256i ones = _mm256_set1_epi16(1);
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
@@ -269,13 +274,14 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
       const __m256i magnitude = _mm256_sign_epi8(a, a);
       for (int v = 0; v < kVectors; ++v) {
         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(b[v], a));
-        acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(pairs, ones));
+        acc[m][v] += __v8si(_mm256_madd_epi16(pairs, ones));
       }
     }
   }
+#pragma GCC unroll 8  // as in tile_bf16
   for (int m = 0; m < M; ++m) {
     __m256 y[kVectors];
-    for (int v = 0; v < kVectors; ++v) y[v] = _mm256_cvtepi32_ps(acc[m][v]);
+    for (int v = 0; v < kVectors; ++v) y[v] = _mm256_cvtepi32_ps(__m256i(acc[m][v]));
     store_row(y, scale, row_scales[m], bias, out + m * ldo_bytes, columns, out_f32);
   }
 }
