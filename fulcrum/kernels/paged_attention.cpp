@@ -441,6 +441,14 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
             scores[c][1][1] = _mm256_fmadd_ps(q1, odd(hi), scores[c][1][1]);
           }
         }
+        // Summed at constant indices, so the accumulators stay registers: read in the
+        // loop over a run-time count below, GCC kept them in memory, a store per FMA.
+        __m256 block_scores[2][2];
+#pragma GCC unroll 2
+        for (int c = 0; c < 2; ++c)
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half)
+            block_scores[c][half] = _mm256_add_ps(scores[c][half][0], scores[c][half][1]);
         for (int c = 0; c < pair; ++c) {
           const int i = i0 + c;
           const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
@@ -448,8 +456,7 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           const __m256 seen[2] = {lanes(visible, low_bits), lanes(visible, high_bits)};
           __m256 s[2];
           for (int half = 0; half < 2; ++half)
-            s[half] = _mm256_blendv_ps(
-                floor, _mm256_add_ps(scores[c][half][0], scores[c][half][1]), seen[half]);
+            s[half] = _mm256_blendv_ps(floor, block_scores[c][half], seen[half]);
           const float tile_max = std::max(running_max[i], max_of(_mm256_max_ps(s[0], s[1])));
           alignas(32) float p[kBlock];
           __m256 total = _mm256_setzero_ps();
