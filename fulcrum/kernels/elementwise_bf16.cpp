@@ -60,9 +60,7 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
       _mm256_storeu_ps(values + i, v);
       squares = _mm256_fmadd_ps(v, v, squares);
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, squares);
-    for (const float lane : lanes) sum += lane;
+    sum = fulcrum::sum_of(squares);
 #endif
     for (; i < width; ++i) {
       float v = bf16_to_float(in[i]);

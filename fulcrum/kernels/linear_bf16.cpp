@@ -137,17 +137,6 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   }
 }
 
-using Bf16Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int, const float*, char*,
-                          int64_t, int, bool);
-constexpr Bf16Tile kBf16Tiles[kRows + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
-                                            tile_bf16<4>, tile_bf16<5>, tile_bf16<6>,
-                                            tile_bf16<7>, tile_bf16<8>};
-using Int8Tile = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int,
-                          const float*, const float*, char*, int64_t, int, bool);
-constexpr Int8Tile kInt8Tiles[kRows + 1] = {nullptr, tile_int8<1>, tile_int8<2>, tile_int8<3>,
-                                            tile_int8<4>, tile_int8<5>, tile_int8<6>,
-                                            tile_int8<7>, tile_int8<8>};
-
 // Row m of x (K bf16) -> q + 128 in `quantized` (ld bytes, zero-padded to whole quads) and its
 // scale amax / 127, with q = round-half-even(x * (127 / amax)), |q| <= 127.
 void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
@@ -286,15 +275,6 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   }
 }
 
-using Bf16Tile = void (*)(const float*, int64_t, const uint16_t*, int, const float*, char*,
-                          int64_t, int, bool);
-constexpr Bf16Tile kBf16Tiles[kRows + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
-                                            tile_bf16<4>};
-using Int8Tile = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int,
-                          const float*, const float*, char*, int64_t, int, bool);
-constexpr Int8Tile kInt8Tiles[kRows + 1] = {nullptr, tile_int8<1>, tile_int8<2>, tile_int8<3>,
-                                            tile_int8<4>};
-
 // Row m of x (K bf16) -> q (signed, zero-padded to whole quads) and its scale amax / 127, with
 // q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127.
 void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
@@ -334,7 +314,22 @@ Bf16Rows bf16_rows(const uint16_t* x, int64_t ldx, int M, int K) {
 #endif
 
 #if defined(FULCRUM_LINEAR_AVX512) || defined(FULCRUM_LINEAR_AVX2)
+#include <array>
+#include <utility>
+
 namespace {
+
+// The tiles of 1..kRows rows, indexed by the row count (this instruction set's tiles).
+template <int... Counts>
+constexpr auto bf16_tiles(std::integer_sequence<int, Counts...>) {
+  return std::array<decltype(&tile_bf16<1>), kRows + 1>{nullptr, tile_bf16<Counts + 1>...};
+}
+template <int... Counts>
+constexpr auto int8_tiles(std::integer_sequence<int, Counts...>) {
+  return std::array<decltype(&tile_int8<1>), kRows + 1>{nullptr, tile_int8<Counts + 1>...};
+}
+constexpr auto kBf16Tiles = bf16_tiles(std::make_integer_sequence<int, kRows>{});
+constexpr auto kInt8Tiles = int8_tiles(std::make_integer_sequence<int, kRows>{});
 
 // Every (panel, row tile) pair, threads splitting them; panels outermost, so a thread keeps
 // its panel in cache while the row tiles pass over it, and a small batch still spreads the

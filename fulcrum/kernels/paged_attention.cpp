@@ -355,19 +355,6 @@ AttendFn pick_attend(int rows, int group) {
 }
 
 #elif defined(FULCRUM_VARLEN_AVX2)
-// The largest and the sum of a vector's 8 lanes.
-inline float max_of(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float sum_of(__m256 x) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
-
 // All-ones lanes where `bits` has the lane's bit (`lane_bits`: one distinct bit per lane).
 inline __m256 lanes(unsigned bits, __m256i lane_bits) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(
@@ -457,7 +444,8 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           __m256 s[2];
           for (int half = 0; half < 2; ++half)
             s[half] = _mm256_blendv_ps(floor, block_scores[c][half], seen[half]);
-          const float tile_max = std::max(running_max[i], max_of(_mm256_max_ps(s[0], s[1])));
+          const float tile_max =
+              std::max(running_max[i], fulcrum::max_of(_mm256_max_ps(s[0], s[1])));
           alignas(32) float p[kBlock];
           __m256 total = _mm256_setzero_ps();
           for (int half = 0; half < 2; ++half) {
@@ -468,7 +456,7 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           }
           const float correction = std::exp(running_max[i] - tile_max);
           running_max[i] = tile_max;
-          running_sum[i] = running_sum[i] * correction + sum_of(total);
+          running_sum[i] = running_sum[i] * correction + fulcrum::sum_of(total);
           // kGroup output vectors at a time stay in registers over the block's token pairs.
           constexpr int kGroup = kVecs < 8 ? kVecs : 8;
           for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
