@@ -45,6 +45,7 @@ from fulcrum.core.request import Request, SloTargets
 from fulcrum.outputs import SampledToken
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.core.scheduler import Scheduler, SchedulerOutput
+from fulcrum.core.scheduling_policy import derived_targets
 from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -89,13 +90,6 @@ def fitted_step_time_model(seed: int = 0, num_shapes: int = 300) -> StepTimeMode
     model = StepTimeModel()
     model.fit(shapes, seconds)
     return model
-
-
-def engine_slo_defaults(model: StepTimeModel, budget: int) -> SloTargets:
-    """The targets LLMEngine gives requests that set none (`_resolve_slo_defaults`): TTFT
-    4x and TPOT half the predicted time of a full-budget prompt step."""
-    full = model.prefill_seconds(0, budget)
-    return SloTargets(4 * full, full / 2)
 
 
 @dataclass
@@ -210,11 +204,12 @@ class Driver:
         self.kv = BlockManager((sc.num_running + 1) * blocks_per_request + 1, sc.block_size,
                                enable_prefix_caching=True)
         self.model = fitted_step_time_model(sc.seed)
-        self.targets = engine_slo_defaults(self.model, sc.max_num_batched_tokens)
+        self.targets = derived_targets(self.model, sc.max_num_batched_tokens)
         if sc.ttft_s is not None:
             self.targets = SloTargets(sc.ttft_s, self.targets.tpot_s)
         self.now = 0.0
         self.sched = Scheduler(self.config, self.kv, self.model, clock=lambda: self.now)
+        self.sched.policy.expect_arrivals(self.targets)  # as LLMEngine does
         self.ids = 0
         self.steps_taken = 0
 

@@ -4,8 +4,8 @@ A long prompt arrives first; short requests keep arriving while it is being pref
 demo runs the same arrival schedule three ways and prints every request's TTFT, the total
 throughput, and how the short and the long requests fared:
 - slo (fulcrum's default): chunks sized step by step so that decodes keep to their time per
-  token, short prompts first when their first-token deadline is nearer; when nobody else
-  waits, the long prompt gets whole steps;
+  token and a request arriving during a step still makes its first-token target, short
+  prompts first when their first-token deadline is nearer;
 - fcfs with fixed chunks (an eighth of the budget): short requests never wait long, but the
   long prompt pays for its small chunks even when it is alone;
 - no chunking: the long prompt in one piece, every short request queued behind it.

@@ -32,6 +32,7 @@ from fulcrum.outputs import RequestOutput
 from fulcrum.core.request import Request, RequestStatus, SloTargets
 from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from fulcrum.core.scheduler import Scheduler
+from fulcrum.core.scheduling_policy import derived_targets
 from fulcrum.stats import FinishedRequest, StepStats
 from fulcrum.core.step_time_model import StepTimeModel
 from fulcrum.tokenizer import Tokenizer
@@ -98,6 +99,7 @@ class LLMEngine:
         if self.config.scheduling_policy == "slo":
             self._profile_step_time()
         self.slo_defaults = self._resolve_slo_defaults()
+        self.scheduler.policy.expect_arrivals(self.slo_defaults)
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
@@ -151,16 +153,10 @@ class LLMEngine:
                    for i in range(count)])
 
     def _resolve_slo_defaults(self) -> SloTargets:
-        """The targets of requests that set none: the configured ones, else derived from the
-        predicted time of a full-budget prompt step, `full`: TTFT 4 x full (a request
-        arriving behind a long prompt gets its first token within a few steps), TPOT full / 2
-        (while requests decode, a step carries at most about half a budget of prompt, so a
-        request arriving meanwhile waits for a short step, while a lone long prompt still
-        gets whole steps; a looser target speeds long prompts up at the short ones' expense:
-        `fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows the trade-off)."""
+        """The targets of requests that set none: the configured ones, else those the step
+        time predicts (`derived_targets`)."""
         config = self.config
-        full = self.step_time.prefill_seconds(0, config.max_num_batched_tokens)
-        derived = SloTargets(4 * full, full / 2) if full > 0 else SloTargets()
+        derived = derived_targets(self.step_time, config.max_num_batched_tokens)
         return SloTargets(
             config.slo_ttft_ms / 1e3 if config.slo_ttft_ms is not None else derived.ttft_s,
             config.slo_tpot_ms / 1e3 if config.slo_tpot_ms is not None else derived.tpot_s)

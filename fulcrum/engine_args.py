@@ -33,8 +33,8 @@ _HELP = {
     "scheduling_policy": "slo (default: meet TTFT/TPOT targets step by step), fcfs (first "
                          "come, first served, fixed chunks), or priority (lower value first; "
                          "may preempt; fixed chunks)",
-    "slo_ttft_ms": "time-to-first-token target of requests that set none (default: 4 "
-                   "full-budget steps, measured at start-up)",
+    "slo_ttft_ms": "time-to-first-token target of requests that set none (default: half "
+                   "a full-budget step, measured at start-up)",
     "slo_tpot_ms": "time-per-output-token target of requests that set none (default: half "
                    "a full-budget step, measured at start-up)",
     "batching_mode": "continuous, or static (a batch runs to its end before the next joins)",

@@ -42,15 +42,15 @@ def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkey
     docs = Path(report.REPO) / "docs"
     out = tmp_path / "performance.md"
     shutil.copy(docs / "performance.json", out.with_suffix(".json"))
-    goodput = tmp_path / "goodput.json"
-    goodput.write_text(json.dumps({
+    goodput = {
         "setup": {"traffic": "30 chat-like requests per rate", "rates": [0.5, 2.0],
                   "slo": {"ttft": 1000.0, "tpot": 100.0}, "machine": {"date": "today"}},
         "best_fixed_budget": "fulcrum-fcfs-512",
         "results": {"fulcrum-slo": {"points": [{"goodput_share": 1.0}, {"goodput_share": 0.5}]},
-                    "vllm": {"error": "did not start"}}}))
-    monkeypatch.setattr(report, "SECTIONS",
-                        ((goodput, "fulcrum.bench.goodput"), *report.SECTIONS[1:]))
+                    "vllm": {"error": "did not start"}}}
+    (tmp_path / "goodput").mkdir()
+    (tmp_path / "goodput" / "goodput.json").write_text(json.dumps(goodput))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
     assert main(["bench", "report", "--render-only", "--out", str(out)]) == 0
     page = out.read_text()
     assert "## Throughput" in page and "## Mixed" in page
@@ -58,7 +58,18 @@ def test_render_only_rewrites_the_page_with_the_goodput_section(tmp_path, monkey
     assert "| engine | 0.5 req/s | 2 req/s |" in page
     assert "| fulcrum-slo | 100% | 50% |" in page
     assert "| vllm |" not in page.split("## Goodput")[1]  # a failed engine has no row
-    assert "best of the sweep: fulcrum-fcfs-512" in page and "![goodput](goodput.png)" in page
+    assert "best of the sweep: fulcrum-fcfs-512" in page
+    assert "![goodput](goodput/goodput.png)" in page
+    # A page of another kind of machine reads only the folders with its suffix.
+    data = json.loads(out.with_suffix(".json").read_text())
+    data["setup"]["results_suffix"] = "-avx2"
+    out.with_suffix(".json").write_text(json.dumps(data))
+    assert main(["bench", "report", "--render-only", "--out", str(out)]) == 0
+    assert "## Goodput" not in out.read_text()
+    (tmp_path / "goodput-avx2").mkdir()
+    (tmp_path / "goodput-avx2" / "goodput.json").write_text(json.dumps(goodput))
+    assert main(["bench", "report", "--render-only", "--out", str(out)]) == 0
+    assert "![goodput](goodput-avx2/goodput.png)" in out.read_text()
 
 
 def test_engines_take_turns_in_rounds_and_a_failed_engine_drops_out(monkeypatch):

@@ -101,7 +101,7 @@ def test_chunked_prefill_tiny_budget(model_dir, hf_ref):
 
 def test_prefix_caching_hits_and_tokens(model_dir, hf_ref):
     llm = LLM(str(model_dir), enable_prefix_caching=True, block_size=16,
-              long_prefill_token_threshold=256)  # each prompt whole in its first step
+              scheduling_policy="fcfs", long_prefill_token_threshold=256)  # prompts whole
     long, shares_120, shares_70 = PROMPTS[1], PROMPTS[5], PROMPTS[7]
     # In one batch: the second request reuses blocks the first writes in the same step.
     together = run(llm, [long, shares_120], greedy())

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from fulcrum import LLM, SamplingParams
 from fulcrum.core.request import RequestStatus, SloTargets
 from fulcrum.core.scheduling_policy import (PRIORITY_AGING_S, SLO_AGED_MIN_CHUNK, SLO_AGING_FACTOR,
-                                       SLO_LOOKAHEAD_TOKENS, SLO_MAX_BANKED_STEPS,
-                                       SLO_TPOT_PLANNED_SHARE)
+                                       SLO_ARRIVAL_SHARE, SLO_LOOKAHEAD_TOKENS,
+                                       SLO_MAX_BANKED_STEPS, SLO_TPOT_PLANNED_SHARE,
+                                       derived_targets)
 from fulcrum.core.step_time_model import StepShape, StepTimeModel
 from test_scheduler import Sim, chunk_of
 from test_step_time_model import train, truth
@@ -55,6 +56,44 @@ def test_a_lone_long_prompt_gets_whole_steps():
     add(sim, "long", 2000, ttft=1.0, tpot=0.05)
     sizes = [clocked_step(sim).chunks[0].num_tokens for _ in range(4)]
     assert sizes == [BUDGET, BUDGET, BUDGET, 2000 - 3 * BUDGET]
+
+
+def largest_within(model: StepTimeModel, shape: StepShape, start: int, seconds: float) -> int:
+    """The most tokens of a chunk after `start` that keep the step's predicted time within
+    `seconds`."""
+    n = 0
+    while model.predict(shape.with_chunk(start, n + 1)) <= seconds:
+        n += 1
+    return n
+
+
+def test_steps_a_request_may_arrive_during_add_half_its_ttft_target_at_most():
+    """The default TTFT target is what a request yet to arrive will have: a step carrying a
+    prompt adds at most SLO_ARRIVAL_SHARE of it to its decodes' time (or its fixed cost), so
+    one arriving at its start still makes its target."""
+    sim = slo_sim()
+    policy, model = sim.sched.policy, sim.sched.policy.model
+    policy.expect_arrivals(SloTargets(0.4, math.inf))
+    add(sim, "decoding", 40, max_tokens=50)
+    clocked_step(sim)
+    long = add(sim, "long", 2000)
+    out = clocked_step(sim)
+    decodes = StepShape.of_decodes([41])
+    chunk = chunk_of(out, "long").num_tokens
+    assert chunk == largest_within(model, decodes, 0, model.predict(decodes)
+                                   + SLO_ARRIVAL_SHARE * 0.4)
+    assert 0 < chunk < BUDGET - 1
+    sim.sched.finish_requests(["decoding"], RequestStatus.FINISHED_ABORTED)
+    out = clocked_step(sim)  # the long prompt alone: the share added to the fixed cost
+    fixed = model.prefill_seconds(0, 0)
+    assert fixed > 0
+    assert chunk_of(out, "long").num_tokens == largest_within(model, StepShape(), chunk,
+                                                              fixed + SLO_ARRIVAL_SHARE * 0.4)
+    short = add(sim, "short", 40, ttft=0.4)  # arrives as that step ends
+    while short.metrics.first_token_time is None:
+        clocked_step(sim)
+    assert short.metrics.time_to_first_token <= 0.4
+    assert long.num_computed_tokens < long.num_prompt_tokens
 
 
 def test_a_short_request_behind_a_long_prompt_meets_its_targets():
@@ -162,6 +201,37 @@ def test_a_prompt_finishing_in_a_step_is_delayed_by_one_tpot_target_at_most(tpot
     # One token more would have crossed the line.
     longer = alone.with_chunk(BUDGET, long_chunk + 1)
     assert model.predict(longer) > model.predict(alone) + tpot
+
+
+def test_a_prompt_finishing_in_a_step_keeps_its_ttft_deadline():
+    """Its TPOT target would let the chunks after it delay its first token by 0.3 s; its TTFT
+    deadline, which it can still make, stops them sooner. One past its deadline already (it
+    waited a second; aged, it goes first) is delayed by its TPOT target."""
+    for ttft, waited in ((0.2, 0.0), (0.001, 1.0)):
+        sim = slo_sim()
+        add(sim, "long", 3000)
+        clocked_step(sim)
+        short = add(sim, "short", 40, ttft=ttft, tpot=0.3)
+        sim.now += waited
+        out = clocked_step(sim)
+        policy = sim.sched.policy
+        model = policy.model
+        alone = StepShape()
+        alone.add_chunk(0, 40)
+        # The deadline, from the time the step was planned at (the short one arrived before).
+        limit = short.arrival_time + ttft - policy.now if not waited \
+            else model.predict(alone) + 0.3
+        assert chunk_of(out, "short").num_tokens == 40
+        assert chunk_of(out, "long").num_tokens == largest_within(model, alone, BUDGET, limit)
+        assert 0 < chunk_of(out, "long").num_tokens < BUDGET - 40
+        assert (short.metrics.time_to_first_token <= ttft) == (not waited)
+
+
+def test_the_default_targets_are_half_a_full_budget_step():
+    model = fitted_model()
+    full = model.prefill_seconds(0, BUDGET)
+    assert derived_targets(model, BUDGET) == SloTargets(full / 2, full / 2)
+    assert derived_targets(StepTimeModel(), BUDGET) == SloTargets()  # nothing seen: none
 
 
 def test_least_slack_first_across_targets():
@@ -317,8 +387,9 @@ def test_greedy_tokens_are_the_same_under_every_policy(llama_dir):
 def test_slo_targets_per_engine_and_per_request(llama_dir):
     llm = LLM(str(llama_dir), scheduling_policy="slo")
     defaults = llm.llm_engine.slo_defaults
-    # Derived from the profiled full-budget step: 4 steps to first token, half a step a token.
-    assert 0 < defaults.tpot_s < math.inf and defaults.ttft_s == pytest.approx(8 * defaults.tpot_s)
+    # Derived from the profiled full-budget step: half a step to the first token, and a token.
+    assert 0 < defaults.tpot_s < math.inf and defaults.ttft_s == defaults.tpot_s
+    assert llm.llm_engine.scheduler.policy.arrivals == defaults
     assert not llm.llm_engine.stats  # the start-up profile leaves no trace
     (output,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(slo_tpot_ms=250),
                              use_tqdm=False, slo_ttft_ms=1500)

@@ -48,17 +48,20 @@ PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
 # Where ../shared/peers/vllm-cpu.sh installs the vLLM peer unless told otherwise.
 VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV",
                                 Path.home() / ".cache" / "fulcrum-peers" / "vllm-cpu-venv"))
-SWEEP_PLOT = REPO / "benchmarks" / "results" / "sweep" / "sweep.png"
-GOODPUT_JSON = REPO / "benchmarks" / "results" / "goodput" / "goodput.json"
-STRUCTURED_JSON = (REPO / "benchmarks" / "results" / "structured_outputs"
-                   / "structured_outputs.json")
-LATENCY_JSON = REPO / "benchmarks" / "results" / "latency" / "latency.json"
-SCALE_JSON = REPO / "benchmarks" / "results" / "scale" / "scale.json"
-# Results of other benchmarks the page summarises, in page order: (their JSON, the module
-# whose `summary(data, json_path, page_dir)` writes the section).
-SECTIONS = ((GOODPUT_JSON, "fulcrum.bench.goodput"),
-            (STRUCTURED_JSON, "fulcrum.bench.structured"),
-            (LATENCY_JSON, "fulcrum.bench.latency"), (SCALE_JSON, "fulcrum.bench.scale"))
+RESULTS = REPO / "benchmarks" / "results"
+# Results of other benchmarks the page summarises, in page order: (their folder and JSON
+# under RESULTS, the module whose `summary(data, json_path, page_dir)` writes the section).
+# A page for another kind of machine (`--results-suffix -avx2`) reads the folders with that
+# suffix (latency-avx2/...), so that no page mixes machines.
+SECTIONS = (("goodput", "goodput.json", "fulcrum.bench.goodput"),
+            ("structured_outputs", "structured_outputs.json", "fulcrum.bench.structured"),
+            ("latency", "latency.json", "fulcrum.bench.latency"),
+            ("scale", "scale.json", "fulcrum.bench.scale"))
+SWEEP_PLOT = ("sweep", "sweep.png")
+
+
+def result_path(folder: str, name: str, suffix: str) -> Path:
+    return RESULTS / f"{folder}{suffix}" / name
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -339,6 +342,7 @@ def command_line(args: argparse.Namespace) -> str:
              "--engines", args.engines]
     words += ["--model", args.model] if args.model else []
     words += ["--quick"] if args.quick else []
+    words += ["--results-suffix", args.results_suffix] if args.results_suffix else []
     return shlex.join(words)
 
 
@@ -418,7 +422,8 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
                   "against the short requests' TTFT p99 (left) and TPOT p99 (right), Pareto "
                   f"front in red ([table]({table}); `bash benchmarks/sweep_mixed.sh` "
                   "regenerates it).", "", f"![sweep]({setup['sweep_plot']})"]
-    for json_path, module in SECTIONS:  # each benchmark's own section, if it has run
+    for folder, name, module in SECTIONS:  # each benchmark's own section, if it has run
+        json_path = result_path(folder, name, setup.get("results_suffix", ""))
         if json_path.exists():
             summary = importlib.import_module(module).summary
             lines += summary(json.loads(json_path.read_text()), json_path,
@@ -527,6 +532,7 @@ def _rounds(engines: List[str], timed: List[Dict[str, Schedule]], model_dir: str
 def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
            version: Optional[str], note: Optional[str], md_path: Path) -> Dict[str, Any]:
     (n, prompt, out), (dn, dprompt, dout) = scale.throughput, scale.decode
+    sweep = result_path(*SWEEP_PLOT, args.results_suffix)
     return {
         "machine": machine_facts(), "vllm_version": version, "vllm_note": note,
         "model": f"{DEFAULT_SHAPE} shape" if dummy else Path(model_dir).name,
@@ -539,8 +545,9 @@ def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
             "mixed": f"one {scale.long_prompt}-token prompt (32 output tokens) at t=0 plus "
                      f"{scale.shorts} short requests (24-40 prompt tokens, 16-32 output "
                      f"tokens) arriving as a Poisson process at {scale.short_rate:g}/s"},
-        "sweep_plot": (os.path.relpath(SWEEP_PLOT, md_path.resolve().parent)
-                       if SWEEP_PLOT.exists() else None),
+        "sweep_plot": (os.path.relpath(sweep, md_path.resolve().parent)
+                       if sweep.exists() else None),
+        "results_suffix": args.results_suffix,
         "command": command_line(args)}
 
 
@@ -553,6 +560,9 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"a model folder with real weights (default: the {DEFAULT_SHAPE} "
                              "shape with dummy weights)")
+    parser.add_argument("--results-suffix", default="",
+                        help="embed the other benchmarks' sections from benchmarks/results/"
+                             "<name><suffix> (e.g. -avx2: another kind of machine's page)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite the page from the JSON beside --out (and the goodput "
                              "results), measuring nothing")

@@ -16,7 +16,7 @@ import operator
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fulcrum.config import EngineConfig
-from fulcrum.core.request import Request
+from fulcrum.core.request import Request, SloTargets
 from fulcrum.core.step_time_model import StepShape, StepTimeModel
 
 SortKey = Tuple
@@ -41,6 +41,10 @@ SLO_LOOKAHEAD_TOKENS = 8
 # slo: steps are planned against this share of each TPOT target, so that a stream kept at its
 # planned pace is not pushed past its target by the step-time model's errors.
 SLO_TPOT_PLANNED_SHARE = 0.9
+# slo: a step's prompt chunks may add at most this share of the default TTFT target to the
+# time of its decodes (or its fixed cost). A request arriving while the step runs waits for
+# its end (steps are not interrupted), so the share left is what it has for its own prefill.
+SLO_ARRIVAL_SHARE = 0.5
 
 
 class PrefillLimit:
@@ -73,9 +77,10 @@ class StepTimeLimit(FixedChunkLimit):
     decode, so only once a prompt asks for a chunk (most steps of a busy server have none)."""
 
     def __init__(self, model: StepTimeModel, budget: Callable[[], Tuple[StepShape, float]],
-                 is_aged: Callable[[Request], bool], threshold: int = 0) -> None:
+                 is_aged: Callable[[Request], bool], now: float, threshold: int = 0) -> None:
         super().__init__(threshold)
         self.model = model
+        self.now = now
         self._budget: Optional[Callable[[], Tuple[StepShape, float]]] = budget
         self._shape = StepShape()
         self._seconds = math.inf
@@ -113,9 +118,12 @@ class StepTimeLimit(FixedChunkLimit):
         self.shape.add_chunk(start, num_tokens)
         if start + num_tokens >= request.num_tokens:
             # The prompt is done: its first token comes at the end of this step, so the
-            # chunks still to come may delay it by one TPOT target at most, as a decode.
-            self._seconds = min(self.seconds, self.model.predict(self.shape)
-                                + request.metrics.slo.tpot_s)
+            # chunks still to come may delay it by one TPOT target at most, as a decode, and
+            # never past its TTFT deadline while it can still make it.
+            predicted, slo = self.model.predict(self.shape), request.metrics.slo
+            room = request.arrival_time + slo.ttft_s - self.now - predicted
+            delay = min(slo.tpot_s, room) if room >= 0 else slo.tpot_s
+            self._seconds = min(self.seconds, predicted + delay)
 
 
 class SchedulingPolicy:
@@ -142,6 +150,9 @@ class SchedulingPolicy:
 
     def prefill_order(self, candidates: Sequence[Request]) -> List[Request]:
         return sorted(candidates, key=self.key)
+
+    def expect_arrivals(self, targets: SloTargets) -> None:
+        """The targets of requests that set none (those yet to arrive, as far as is known)."""
 
     def prefill_limit(self, decodes: Sequence[Request], chunked: bool) -> PrefillLimit:
         """The limit for this step's prompt chunks, given the decodes already in it."""
@@ -180,11 +191,12 @@ class SloPolicy(FcfsPolicy):
     """Meet each request's latency targets (TTFT and TPOT) step by step.
 
     Decodes come first, as in every policy. Prompt tokens then fill the step only while its
-    predicted time stays within what the decodes it carries can afford (`step_allowance`) and
-    delays a prompt finishing in it by one TPOT target at most (`StepTimeLimit.add`), so a
-    long prompt shares steps with decodes without stretching their time per token; with no
-    decode in the step there is no cap but the token budget, so a lone long prompt gets
-    whole steps.
+    predicted time stays within what the decodes it carries can afford (`step_allowance`),
+    delays a prompt finishing in it by one TPOT target at most and never past a TTFT deadline
+    it can still make (`StepTimeLimit.add`), and adds at most SLO_ARRIVAL_SHARE of the
+    default TTFT target (`expect_arrivals`) to the decodes' time. So a long prompt shares
+    steps with decodes without stretching their time per token, and a request arriving
+    while it runs, which must wait for the step's end, still makes its TTFT target.
 
     Prompts are ordered to meet as many TTFT deadlines (arrival + target) as possible: by
     deadline, except that wherever the predicted prefill times of the prompts so far would
@@ -202,6 +214,10 @@ class SloPolicy(FcfsPolicy):
                  model: StepTimeModel) -> None:
         super().__init__(config, clock)
         self.model = model
+        self.arrivals = SloTargets()
+
+    def expect_arrivals(self, targets: SloTargets) -> None:
+        self.arrivals = targets
 
     def is_aged(self, request: Request) -> bool:
         own = self.model.prefill_seconds(0, request.num_prompt_tokens)
@@ -286,10 +302,26 @@ class SloPolicy(FcfsPolicy):
             # Over every decode (256 and more): one pass of plain arithmetic each.
             shape = StepShape.of_decodes([r.num_computed_tokens + 1 for r in decodes])
             step, allowance = self.model.predict(shape), self.step_allowance
-            return shape, min((allowance(r, step) for r in decodes), default=math.inf)
+            allowed = min((allowance(r, step) for r in decodes), default=math.inf)
+            # Prompts add to the decodes' time, or to the step's fixed cost if none: on a
+            # small model that cost may exceed the share itself.
+            base = step if decodes else self.model.prefill_seconds(0, 0)
+            return shape, min(allowed, base + SLO_ARRIVAL_SHARE * self.arrivals.ttft_s)
 
-        return StepTimeLimit(self.model, budget, self.is_aged,
+        return StepTimeLimit(self.model, budget, self.is_aged, self.now,
                              self.config.long_prefill_token_threshold)
+
+
+def derived_targets(model: StepTimeModel, budget: int) -> SloTargets:
+    """Targets for requests that set none, from the predicted time of a full-budget prompt
+    step, `full`: TTFT and TPOT full / 2. A step's prompts then add at most a quarter
+    budget's time to its decodes (SLO_ARRIVAL_SHARE of the TTFT target), so a short request
+    arriving behind a long prompt has its first token within about full / 2. A looser TTFT
+    target lets long prompts take longer steps, faster for them and slower for the short
+    requests arriving meanwhile (`fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows
+    the trade-off; `--slo-ttft-ms` moves along it). No steps seen yet: no targets."""
+    full = model.prefill_seconds(0, budget)
+    return SloTargets(full / 2, full / 2) if full > 0 else SloTargets()
 
 
 POLICIES: Dict[str, Callable[..., SchedulingPolicy]] = {
