@@ -104,3 +104,19 @@ def test_engines_take_turns_in_rounds_and_a_failed_engine_drops_out(monkeypatch)
     for engine in ("fulcrum", "fulcrum-int8"):
         assert [r["metrics"]["total tokens/s"] for r in runs[engine]["throughput"]] == [
             10.0, 20.0, 30.0]
+
+
+def test_the_regenerate_command_repeats_the_run_and_parses_again():
+    import argparse
+    import shlex
+
+    from fulcrum.bench import report
+
+    parser = argparse.ArgumentParser()
+    report.add_report_args(parser)
+    args = parser.parse_args(["--out", "docs/performance-avx2.md", "--engines", "fulcrum,vllm",
+                              "--results-suffix=-avx2"])
+    command = report.command_line(args)
+    assert command == ("fulcrum bench report --out docs/performance-avx2.md --repeats 3 "
+                       "--engines fulcrum,vllm --results-suffix=-avx2")
+    assert parser.parse_args(shlex.split(command)[3:]) == args

@@ -58,10 +58,6 @@ SECTIONS = (("goodput", "goodput.json", "fulcrum.bench.goodput"),
             ("latency", "latency.json", "fulcrum.bench.latency"),
             ("scale", "scale.json", "fulcrum.bench.scale"))
 SWEEP_PLOT = ("sweep", "sweep.png")
-
-
-def result_path(folder: str, name: str, suffix: str) -> Path:
-    return RESULTS / f"{folder}{suffix}" / name
 FULCRUM_DTYPE, VLLM_DTYPE, HF_BATCH = "bfloat16", "bfloat16", 16
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs on start
 
@@ -144,6 +140,10 @@ def workloads(scale: Scale, seed: int = 0) -> Dict[str, Schedule]:
             "decode": schedule(random_requests(*scale.decode, 0.0, rng), everything_now, 1.0,
                                seed),
             "mixed": schedule(mixed, {ALL: scale.short_rate, LONG: math.inf}, 1.0, seed)}
+
+
+def result_path(folder: str, name: str, suffix: str) -> Path:
+    return RESULTS / f"{folder}{suffix}" / name
 
 
 def free_port() -> int:
@@ -342,7 +342,7 @@ def command_line(args: argparse.Namespace) -> str:
              "--engines", args.engines]
     words += ["--model", args.model] if args.model else []
     words += ["--quick"] if args.quick else []
-    words += ["--results-suffix", args.results_suffix] if args.results_suffix else []
+    words += [f"--results-suffix={args.results_suffix}"] if args.results_suffix else []
     return shlex.join(words)
 
 
@@ -562,7 +562,8 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
                              "shape with dummy weights)")
     parser.add_argument("--results-suffix", default="",
                         help="embed the other benchmarks' sections from benchmarks/results/"
-                             "<name><suffix> (e.g. -avx2: another kind of machine's page)")
+                             "<name><suffix> (e.g. --results-suffix=-avx2: another kind of "
+                             "machine's page)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite the page from the JSON beside --out (and the goodput "
                              "results), measuring nothing")
