@@ -182,6 +182,13 @@ namespace {
 constexpr int kVectors = 2;              // ymm vectors of 8 fp32 columns per panel
 constexpr int kPanel = 8 * kVectors;     // output columns per packed panel
 constexpr int kRows = 4;                 // input rows per register tile
+// Each step of a tile's K loop reads one 64-byte line of its panel, and a thread's panels lie
+// end to end, so its weights are one stream. The hardware prefetchers alone kept that stream
+// below the memory's read rate at decode batch sizes, where the stream is all a step waits
+// for; a software prefetch this far ahead (the distance measured best on a Zen 3 EPYC,
+// between 1 and 1.5 KiB) closes most of the gap. It never faults, so a panel's last lines may
+// point past the weights.
+constexpr int kPrefetchBytes = 1280;
 
 // y = acc * scale + bias for one row's `columns` outputs of a panel, stored as bf16 or fp32.
 inline void store_row(const __m256* acc, const float* scale, float row_scale, const float* bias,
@@ -214,6 +221,7 @@ void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
   for (int kp = 0; kp < pairs; ++kp) {
     __m256 even[kVectors], odd[kVectors];
     const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     for (int v = 0; v < kVectors; ++v) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 16));
       even[v] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
@@ -256,6 +264,7 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   for (int kq = 0; kq < quads; ++kq) {
     __m256i b[kVectors];
     const int8_t* w = panel + static_cast<int64_t>(kq) * kPanel * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     for (int v = 0; v < kVectors; ++v)
       b[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 32));
     for (int m = 0; m < M; ++m) {
