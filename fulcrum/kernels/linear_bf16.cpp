@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "vector_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define FULCRUM_LINEAR_AVX512 1
@@ -285,10 +286,16 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
 }
 
 // Row m of x (K bf16) -> q (signed, zero-padded to whole quads) and its scale amax / 127, with
-// q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127.
+// q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127. Eight lanes
+// at a time: at batch 1 the row is quantized on one thread while the others wait for it.
 void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
-  float top = 0.0f;
-  for (int k = 0; k < K; ++k) {
+  const int whole = K - K % 8;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int k = 0; k < whole; k += 8)  // |x| first: max_ps keeps its second operand over a NaN
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, fulcrum::load_bf16x8(x + k)), amax);
+  float top = fulcrum::max_of(amax);
+  for (int k = whole; k < K; ++k) {
     const float magnitude = std::fabs(fulcrum::bf16_to_float(x[k]));
     top = magnitude > top ? magnitude : top;
   }
@@ -296,7 +303,14 @@ void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* r
   const float inverse =
       top > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), _mm_set_ss(top))) : 0.0f;
   *row_scale = top / 127.0f;
-  for (int k = 0; k < K; ++k)
+  const __m256 factor = _mm256_set1_ps(inverse);
+  for (int k = 0; k < whole; k += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(fulcrum::load_bf16x8(x + k), factor));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q),
+                                          _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(quantized + k), _mm_packs_epi16(words, words));
+  }
+  for (int k = whole; k < K; ++k)
     quantized[k] = static_cast<uint8_t>(static_cast<int8_t>(
         _mm_cvtss_si32(_mm_set_ss(fulcrum::bf16_to_float(x[k]) * inverse))));
   for (int k = K; k < ld; ++k) quantized[k] = 0;
