@@ -134,3 +134,19 @@ def test_int8_kernel_rounds_rows_as_the_reference_does():
                               4, torch.float32, scale)
     _, row_scale = kernels.quantize_rows_int8(x)
     assert torch.round(got / row_scale).tolist() == [[127, 2, 2, -2], [127, 64, -64, 0]]
+
+
+@pytest.mark.skipif(kernels.instruction_set() != "avx2", reason="the AVX2 quantizer's case")
+def test_avx2_int8_kernel_quantizes_a_nan_activation_to_zero():
+    """A NaN in a row is left out of its scale and quantized to 0, in the vector part as in the
+    scalar tail: never to -128, past the bound (|q| <= 127) that keeps vpmaddubsw's pair sums
+    from saturating. The row's other products stay exact."""
+    torch.manual_seed(0)
+    q, scale = kernels.quantize_int8(torch.randn(24, 40) * 0.1)
+    x = torch.randn(2, 40).to(torch.bfloat16)
+    x[0, 3] = x[1, 37] = float("nan")  # in the vectorised part and in the tail
+    got = kernels.linear_bf16(x, kernels.pack_linear_weight(q), None, 24, torch.float32, scale)
+    zeroed = torch.nan_to_num(x.float(), nan=0.0)
+    reference = quantized_reference(zeroed, q, scale)
+    assert torch.isfinite(got).all()
+    assert (got.double() - reference).abs().max() < 1e-5 * reference.abs().max()

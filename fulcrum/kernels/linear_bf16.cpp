@@ -305,7 +305,10 @@ void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* r
   *row_scale = top / 127.0f;
   const __m256 factor = _mm256_set1_ps(inverse);
   for (int k = 0; k < whole; k += 8) {
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(fulcrum::load_bf16x8(x + k), factor));
+    // NaN -> 0, as the scalar tail converts it (the packs below would saturate it to -128)
+    const __m256 value = _mm256_mul_ps(fulcrum::load_bf16x8(x + k), factor);
+    const __m256i q = _mm256_cvtps_epi32(
+        _mm256_and_ps(value, _mm256_cmp_ps(value, value, _CMP_ORD_Q)));
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q),
                                           _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(quantized + k), _mm_packs_epi16(words, words));
