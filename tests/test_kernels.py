@@ -189,8 +189,9 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
 @pytest.mark.parametrize("lens", [[70], [70, 33]])
 def test_paged_varlen_attention_shares_few_decodes_out_by_head_and_reads_queries_in_place(
         num_kv_heads, lens):
-    """With fewer decodes than threads, each decode's KV heads are split between threads;
-    the answer must not change with the thread count (bit for bit) and must match float64.
+    """With fewer decodes than threads and contexts too short to cut into pieces, each
+    decode's KV heads are split between threads; the answer must not change with the thread
+    count (bit for bit) and must match float64.
     Queries read in place from wider rows (the fused QKV output) give the same bits as a
     contiguous copy."""
     generator = torch.Generator().manual_seed(num_kv_heads + len(lens))
@@ -219,6 +220,49 @@ def test_paged_varlen_attention_shares_few_decodes_out_by_head_and_reads_queries
     assert torch.equal(copied, got[1])
     reference = _reference_decode(q, k_cache, v_cache, tables, seq_lens, scale, 0)
     torch.testing.assert_close(got[2].double(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),
+                    reason="no AVX512-BF16 or AVX2 attention kernel on this machine")
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("window", [0, 300])
+def test_paged_varlen_attention_splits_a_lone_long_decode_by_context(threads, window):
+    """A lone decode with a long context is cut into pieces, one per thread (flash-decoding),
+    whose softmax parts are merged by their log-sum-exp. Every visible token must count
+    exactly once: with a zero query the scores are uniform and the output is the mean of
+    the visible values, and here value dim d of a token is 1 when its position is d mod 64,
+    so a token lost or counted twice at a piece's edge moves some dim by 1/5 or more. A
+    random query must match float64 as well. A 300-token window starts inside a block."""
+    generator = torch.Generator().manual_seed(threads + window)
+    num_kv_heads, group, head_dim, n = 3, 3, 64, 1000
+    k_cache, v_cache, tables = _paged_cache([n], num_kv_heads, head_dim, 16, torch.bfloat16,
+                                            generator)
+    positions = torch.arange(n)
+    blocks, offsets = tables[0][positions // 16], positions % 16
+    coded = (positions[:, None] % head_dim == torch.arange(head_dim)).to(torch.bfloat16)
+    v_cache[blocks, offsets] = coded[:, None, :] * torch.tensor([1.0, 2.0, 3.0])[:, None].to(
+        torch.bfloat16)
+    pair_k, pair_v = _to_pair_layout(k_cache, v_cache, tables, [n])
+    query_start, seq_lens, scale = torch.tensor([0, 1]), torch.tensor([n]), head_dim ** -0.5
+    queries = {"zero": torch.zeros(1, num_kv_heads * group, head_dim).bfloat16(),
+               "random": 4 * torch.randn(1, num_kv_heads * group, head_dim,
+                                         generator=generator).bfloat16()}
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = {name: kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
+                                                    seq_lens, scale, window)
+               for name, q in queries.items()}
+    finally:
+        torch.set_num_threads(saved)
+    visible = positions[n - window:] if window else positions
+    counts = (visible[:, None] % head_dim == torch.arange(head_dim)).sum(0).double()
+    mean = counts / len(visible) * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)[:, None]
+    expected = mean.repeat_interleave(group, dim=0)[None]
+    torch.testing.assert_close(got["zero"].double(), expected, atol=0, rtol=1e-2)
+    reference = _reference_decode(queries["random"], k_cache, v_cache, tables, seq_lens, scale,
+                                  window)
+    torch.testing.assert_close(got["random"].double(), reference, atol=2e-2, rtol=2e-2)
 
 
 needs_elementwise = pytest.mark.skipif(

@@ -151,9 +151,14 @@ constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per 
 // any sliding window. Each block is read once per work item and serves all its rows x group
 // query vectors, so a prefill chunk costs one pass over its context, not one per row; with
 // all heads in one item (decodes), a block's bytes are one contiguous read.
+//
+// With `partial` set, the item covers a piece of its context (a decode split between
+// threads): instead of bf16 rows at `out`, it writes each query vector's fp32 output over
+// the piece and that piece's log-sum-exp of scores, kDim + 1 floats a vector, which
+// `merge_pieces` combines.
 using AttendFn = void (*)(const uint16_t*, int64_t, int, int64_t, const uint16_t*,
                           const uint16_t*, const int64_t*, uint16_t*, int64_t, int, int, int,
-                          int, float, int);
+                          int, float, int, float*);
 
 // The first token a row of context length `len` may see (a sliding window's start).
 inline int64_t window_start(int64_t len, int window) {
@@ -182,7 +187,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
                          const uint16_t* k_cache, const uint16_t* v_cache,
                          const int64_t* table, uint16_t* out, int64_t out_row_stride,
                          int kv_head, int heads, int num_kv_heads, int group, float scale,
-                         int window) {
+                         int window, float* partial) {
   constexpr int kBlock = 16;
   constexpr int kSpan = 4;  // blocks scored together: 64 keys per softmax update
   constexpr int kDimPairs = kDim / 2;
@@ -338,7 +343,15 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   }
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(running_sum[i]));
+    const float sum = _mm512_reduce_add_ps(running_sum[i]);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    if (partial) {
+      float* piece = partial + i * (kDim + 1);
+      for (int v = 0; v < kVecs; ++v)
+        _mm512_storeu_ps(piece + 16 * v, _mm512_mul_ps(acc[i][v], inv));
+      piece[kDim] = running_max[i] + std::log(sum);
+      continue;
+    }
     uint16_t* o = out + r * out_row_stride + ((kv_head + h) * group + g) * kDim;
     for (int v = 0; v < kVecs; ++v) {
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][v], inv));
@@ -369,7 +382,7 @@ template <int kDim>
 void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                        const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                        uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
-                       int num_kv_heads, int group, float scale, int window) {
+                       int num_kv_heads, int group, float scale, int window, float* partial) {
   constexpr int kBlock = 16;
   constexpr int kVecs = kDim / 8;
   constexpr int kTile = kDim * kBlock;
@@ -484,6 +497,12 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
     const float inv = 1.f / running_sum[i];
+    if (partial) {
+      float* piece = partial + i * (kDim + 1);
+      for (int d = 0; d < kDim; ++d) piece[d] = acc[i][d] * inv;
+      piece[kDim] = running_max[i] + std::log(running_sum[i]);
+      continue;
+    }
     uint16_t* o = out + r * out_row_stride + ((kv_head + h) * group + g) * kDim;
     for (int d = 0; d < kDim; ++d) o[d] = float_to_bf16(acc[i][d] * inv);
   }
@@ -496,6 +515,54 @@ AttendFn pick_attend(int, int) {
 #endif
 
 #if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
+// A decode's context is split between threads only into pieces of at least this many
+// tokens: on a Zen 3 EPYC (AVX2), two 64-token pieces took as long as the whole context on
+// one thread plus its heads' share on the other, and longer pieces less.
+constexpr int64_t kMinPieceTokens = 64;
+
+// One work item: `rows` query rows from `row` for KV heads [kv_head, kv_head + heads), the
+// first row seeing `first_len` tokens (less `window`); `partial` >= 0: a piece of a split
+// decode, written to that slot of the pieces' scratch.
+struct AttendItem {
+  int seq;
+  int64_t row;
+  int kv_head, heads;
+  int64_t first_len;
+  int window, partial;
+};
+
+// A scratch slot: a piece's kDim + 1 floats for each of an item's query vectors.
+template <int kDim>
+constexpr int64_t kPieceSlot = kMaxVectors * (kDim + 1);
+
+// A decode split into `pieces` items, in consecutive scratch slots from `first`.
+struct SplitDecode {
+  int64_t row;
+  int kv_head, heads, first, pieces;
+};
+
+// Flash-decoding's reduction: each query vector's pieces weighed by their share of the
+// softmax's denominator, exp(lse_p - max lse).
+template <int kDim>
+void merge_pieces(const SplitDecode& split, const float* scratch, int group,
+                  uint16_t* out, int64_t out_stride) {
+  for (int i = 0; i < split.heads * group; ++i) {
+    auto piece = [&](int p) {
+      return scratch + (split.first + p) * kPieceSlot<kDim> + i * (kDim + 1);
+    };
+    float top = piece(0)[kDim];
+    for (int p = 1; p < split.pieces; ++p) top = std::max(top, piece(p)[kDim]);
+    float merged[kDim] = {}, total = 0.f;
+    for (int p = 0; p < split.pieces; ++p) {
+      const float weight = std::exp(piece(p)[kDim] - top);
+      total += weight;
+      for (int d = 0; d < kDim; ++d) merged[d] += weight * piece(p)[d];
+    }
+    uint16_t* o = out + split.row * out_stride + (split.kv_head * group + i) * kDim;
+    for (int d = 0; d < kDim; ++d) o[d] = float_to_bf16(merged[d] / total);
+  }
+}
+
 template <int kDim>
 int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                         const uint16_t* v_cache, const int64_t* tables,
@@ -507,43 +574,71 @@ int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_c
   const int tile_rows = kMaxVectors / group;
   // Work items: a single-token query (a decode) takes its KV heads together when they fit,
   // so each cache block is one contiguous read; a prefill chunk is cut into tiles of rows,
-  // one item per tile and KV head. With fewer items than threads (a lone decode), the
-  // decodes' heads are split between threads instead, or all but one thread would idle.
-  struct Item { int seq; int64_t row; int kv_head, heads; };
+  // one item per tile and KV head. With fewer items than threads (a lone decode), a decode
+  // is split between threads too, or all but one would idle: its context into pieces
+  // (flash-decoding; each piece reads its blocks once, for all heads) where the context is
+  // long enough, else its heads.
   int decodes = 0, prefill_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int64_t rows = query_start[s + 1] - query_start[s];
     if (rows == 1) ++decodes;
     else prefill_items += static_cast<int>((rows + tile_rows - 1) / tile_rows) * num_kv_heads;
   }
-  int decode_heads = group * num_kv_heads <= kMaxVectors ? num_kv_heads : 1;
-  if (decodes > 0 && decodes + prefill_items < num_threads) {
-    const int pieces = std::min(num_kv_heads, (num_threads - prefill_items) / decodes);
-    decode_heads = std::min(decode_heads, (num_kv_heads + pieces - 1) / pieces);
-  }
-  std::vector<Item> items;
+  const int decode_heads = group * num_kv_heads <= kMaxVectors ? num_kv_heads : 1;
+  const int head_items = (num_kv_heads + decode_heads - 1) / decode_heads;
+  // Items each decode should become for every thread to have one.
+  int wanted = 1;
+  if (decodes > 0 && decodes * head_items + prefill_items < num_threads)
+    wanted = (num_threads - prefill_items) / decodes;
+  std::vector<AttendItem> items;
+  std::vector<SplitDecode> splits;
+  int slots = 0;
   for (int s = 0; s < num_seqs; ++s) {
-    if (query_start[s + 1] - query_start[s] == 1) {
-      for (int h = 0; h < num_kv_heads; h += decode_heads)
-        items.push_back({s, query_start[s], h, std::min(decode_heads, num_kv_heads - h)});
+    const int64_t row = query_start[s], len = seq_lens[s];
+    if (query_start[s + 1] - row > 1) {
+      // Row r is query number r - row of the sequence's new tokens.
+      for (int64_t r = row; r < query_start[s + 1]; r += tile_rows)
+        for (int h = 0; h < num_kv_heads; ++h)
+          items.push_back({s, r, h, 1, len - (query_start[s + 1] - r) + 1, window, -1});
       continue;
     }
-    for (int64_t r = query_start[s]; r < query_start[s + 1]; r += tile_rows)
-      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, r, h, 1});
+    const int64_t begin = window_start(len, window);
+    const int pieces = static_cast<int>(std::min<int64_t>(
+        (wanted + head_items - 1) / head_items, (len - begin) / kMinPieceTokens));
+    if (pieces < 2) {  // whole context; with a short one, heads apart if threads would idle
+      const int heads = std::min(decode_heads, (num_kv_heads + wanted - 1) / wanted);
+      for (int h = 0; h < num_kv_heads; h += heads)
+        items.push_back({s, row, h, std::min(heads, num_kv_heads - h), len, window, -1});
+      continue;
+    }
+    // Pieces of whole 16-token blocks (the first may start inside one, at a window's edge).
+    const int64_t first_block = begin / 16, blocks = (len + 15) / 16 - first_block;
+    for (int h = 0; h < num_kv_heads; h += decode_heads) {
+      const int heads = std::min(decode_heads, num_kv_heads - h);
+      splits.push_back({row, h, heads, slots, pieces});
+      for (int p = 0; p < pieces; ++p) {
+        const int64_t lo = std::max(begin, (first_block + blocks * p / pieces) * 16);
+        const int64_t hi = std::min(len, (first_block + blocks * (p + 1) / pieces) * 16);
+        items.push_back({s, row, h, heads, hi, static_cast<int>(hi - lo), slots++});
+      }
+    }
   }
+  std::vector<float> scratch(slots * kPieceSlot<kDim>);
   const int64_t out_stride = static_cast<int64_t>(num_heads) * kDim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (size_t index = 0; index < items.size(); ++index) {
-    const Item& item = items[index];
-    const int64_t end = query_start[item.seq + 1];
-    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, end - item.row));
-    // Row `row` is query number row - query_start[s] of the sequence's new tokens.
-    const int64_t first_len = seq_lens[item.seq] - (end - item.row) + 1;
+    const AttendItem& item = items[index];
+    const int rows = static_cast<int>(
+        std::min<int64_t>(tile_rows, query_start[item.seq + 1] - item.row));
+    float* partial = item.partial < 0 ? nullptr : scratch.data() + item.partial * kPieceSlot<kDim>;
     pick_attend<kDim>(rows, group)(
-        q + item.row * q_stride, q_stride, rows, first_len, k_cache, v_cache,
+        q + item.row * q_stride, q_stride, rows, item.first_len, k_cache, v_cache,
         tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * out_stride,
-        out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, window);
+        out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, item.window,
+        partial);
   }
+  for (const SplitDecode& split : splits)
+    merge_pieces<kDim>(split, scratch.data(), group, out, out_stride);
   return 0;
 }
 #endif
