@@ -21,24 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from fulcrum.bench.datasets import SampleRequest
-from fulcrum.bench.report import (VLLM_VENV, free_port, fulcrum_command, machine_facts,
+from fulcrum.bench.report import (VLLM_VENV, free_port, fulcrum_command, llama_cpp_command,
+                                  llama_cpp_gguf, llama_cpp_version, machine_facts,
                                   running_server, vllm_command, vllm_version)
 from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 from fulcrum.bench.shapes import shape_dir
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-LLAMA_CPP_SCRIPT = HERE / "peers" / "llama-cpp.sh"
-LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR",
-                                    Path.home() / ".cache" / "fulcrum-peers" / "llama.cpp"))
+RESULTS = Path(__file__).resolve().parent / "results"
 ROUNDS, REQUESTS, PROMPT, OUTPUT, MAX_LEN = 3, 5, 64, 128, 512
 # name -> (server, its flags; for llama.cpp, the GGUF's weight type)
 ENGINES = {"fulcrum (bf16)": ("fulcrum", []),
@@ -68,31 +63,11 @@ def tpots(base_url: str) -> list:
     return asyncio.run(main())
 
 
-def llama_cpp_gguf(model: str, weights: str) -> Path:
-    """The GGUF of `model` with `weights` (bf16, q8_0), made on first use."""
-    path = LLAMA_CPP_DIR / "gguf" / f"{Path(model).name}-{weights}.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        made = subprocess.run(["bash", str(LLAMA_CPP_SCRIPT), "gguf", model, str(path), weights],
-                              capture_output=True, text=True,
-                              env={**os.environ, "LLAMA_CPP_DIR": str(LLAMA_CPP_DIR)})
-        if made.returncode:
-            raise RuntimeError(f"making {path.name} failed: {made.stderr[-1500:]}")
-    return path
-
-
 def server_command(kind: str, flags: list, model: str, port: int) -> list:
     if kind == "llama.cpp":  # one slot of MAX_LEN tokens: one request at a time
-        return ["env", f"LLAMA_CPP_DIR={LLAMA_CPP_DIR}", "bash", str(LLAMA_CPP_SCRIPT), "serve",
-                str(llama_cpp_gguf(model, flags[0])), str(port), "-c", str(MAX_LEN), "-np", "1"]
+        return llama_cpp_command(llama_cpp_gguf(model, flags[0]), port, 1, MAX_LEN)
     return (vllm_command if kind == "vllm" else fulcrum_command)(flags, model, True, port,
                                                                  MAX_LEN)
-
-
-def llama_cpp_version() -> str:
-    """Which llama.cpp the peer script built (its source carries no git commit)."""
-    path = LLAMA_CPP_DIR / "version"
-    return path.read_text().strip() if path.is_file() else "unknown"
 
 
 def round_tpot(kind: str, flags: list, model: str) -> float:
@@ -109,11 +84,11 @@ def main() -> None:
     stem = parser.parse_args().name
     model = shape_dir("smollm2-135m")
     engines = dict(ENGINES)
-    missing = {"vllm": (VLLM_VENV / "bin" / "vllm", "vLLM"),
-               "llama.cpp": (LLAMA_CPP_DIR / "build" / "bin" / "llama-server", "llama.cpp")}
-    for kind, (path, label) in missing.items():
-        if not path.exists():
-            print(f"skipping {label}: no peer at {path}")
+    installed = {"vllm": (VLLM_VENV / "bin" / "vllm").exists(),
+                 "llama.cpp": llama_cpp_version() is not None}
+    for kind, found in installed.items():
+        if not found:
+            print(f"skipping {kind}: not installed (see this script's docstring)")
             engines = {name: e for name, e in engines.items() if e[0] != kind}
     rounds = {name: [] for name in engines}
     for number in range(1, ROUNDS + 1):

