@@ -1,13 +1,14 @@
 """A GGUF file for llama.cpp's server of a model folder, for side-by-side benchmarks.
 
-A folder with weights is converted as it is; a shape folder (config.json and a tokenizer, as
-`fulcrum.bench.shapes` writes for `load_format="dummy"`) gets random weights first, as
-fulcrum's and vLLM's dummy loaders do (decode speed does not depend on the values). The
-conversion is llama.cpp's own convert_hf_to_gguf.py, from the source tree the peer script
-built. The shape folders' byte-level tokenizer is not one that converter recognises, so it is
-written as a BPE vocabulary with llama.cpp's default pre-tokenizer; it has no merges, which
-llama.cpp's loader requires, so it gets one placeholder merge (the benchmarks send token ids,
-never text to split).
+The conversion is llama.cpp's own convert_hf_to_gguf.py, from the source tree the peer
+script built. A folder with weights is converted as it is (a SentencePiece tokenizer, as
+stories260K's, needs `pip install sentencepiece` first, as that converter does). A shape
+folder (config.json and a tokenizer, as `fulcrum.bench.shapes` writes for
+`load_format="dummy"`) gets random weights first, as fulcrum's and vLLM's dummy loaders do
+(decode speed does not depend on the values); its byte-level tokenizer is not one that
+converter recognises, so it is written as a BPE vocabulary with llama.cpp's default
+pre-tokenizer, and as it has no merges, which llama.cpp's loader requires, with one
+placeholder merge (the benchmarks send token ids, never text).
 
     python benchmarks/peers/llama_cpp_gguf.py SRC_DIR MODEL_DIR OUT.gguf [--outtype bf16|q8_0]
 """
@@ -36,8 +37,16 @@ def with_random_weights(model_dir: Path, into: Path) -> Path:
     return into
 
 
-def convert(source_tree: Path, model_dir: Path, out: Path, outtype: str) -> None:
-    sys.path[:0] = [str(source_tree), str(source_tree / "gguf-py")]
+def convert(model_dir: Path, out: Path, outtype: str) -> None:
+    import convert_hf_to_gguf
+
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype,
+                "--outfile", str(out)]
+    convert_hf_to_gguf.main()
+
+
+def accept_byte_level_vocab() -> None:
+    """Make the converter write a shape folder's byte-level tokenizer (see the docstring)."""
     from conversion import base
 
     def no_sentencepiece(self):
@@ -54,11 +63,6 @@ def convert(source_tree: Path, model_dir: Path, out: Path, outtype: str) -> None
     base.TextModel._set_vocab_sentencepiece = no_sentencepiece
     base.TextModel._set_vocab_gpt2 = gpt2_with_a_merge
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-    import convert_hf_to_gguf
-
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype,
-                "--outfile", str(out)]
-    convert_hf_to_gguf.main()
 
 
 def main() -> None:
@@ -69,10 +73,13 @@ def main() -> None:
     parser.add_argument("--outtype", default="bf16", choices=["bf16", "q8_0", "f32"])
     args = parser.parse_args()
     has_weights = any(args.model_dir.glob("*.safetensors"))
+    sys.path[:0] = [str(args.source_tree), str(args.source_tree / "gguf-py")]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir if has_weights else with_random_weights(args.model_dir,
-                                                                           Path(tmp))
-        convert(args.source_tree, model_dir, args.out, args.outtype)
+        model_dir = args.model_dir
+        if not has_weights:
+            model_dir = with_random_weights(args.model_dir, Path(tmp))
+            accept_byte_level_vocab()
+        convert(model_dir, args.out, args.outtype)
 
 
 if __name__ == "__main__":
