@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from fulcrum.bench.datasets import SampleRequest
-from fulcrum.bench.report import (VLLM_VENV, free_port, fulcrum_command, llama_cpp_command,
-                                  llama_cpp_gguf, llama_cpp_version, machine_facts,
-                                  running_server, vllm_command, vllm_version)
+from fulcrum.bench.report import (free_port, fulcrum_command, llama_cpp_command, llama_cpp_gguf,
+                                  llama_cpp_version, machine_facts, running_server,
+                                  vllm_command, vllm_version)
 from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 from fulcrum.bench.shapes import shape_dir
 
@@ -83,12 +83,11 @@ def main() -> None:
                         help="results/<name>.json and .md (keep each machine's apart)")
     stem = parser.parse_args().name
     model = shape_dir("smollm2-135m")
+    versions = {"vLLM": vllm_version(), "llama.cpp": llama_cpp_version()}  # None: not installed
     engines = dict(ENGINES)
-    installed = {"vllm": (VLLM_VENV / "bin" / "vllm").exists(),
-                 "llama.cpp": llama_cpp_version() is not None}
-    for kind, found in installed.items():
-        if not found:
-            print(f"skipping {kind}: not installed (see this script's docstring)")
+    for kind, peer in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+        if versions[peer] is None:
+            print(f"skipping {peer}: not installed (see this script's docstring)")
             engines = {name: e for name, e in engines.items() if e[0] != kind}
     rounds = {name: [] for name in engines}
     for number in range(1, ROUNDS + 1):
@@ -103,8 +102,6 @@ def main() -> None:
         for base in baselines:
             ratios = [v / b for v, b in zip(values, rounds[base])]
             results[name]["vs"][base] = {"per_round": ratios, "median": statistics.median(ratios)}
-    versions = {"vLLM": vllm_version() if "vLLM (bf16)" in rounds else None,
-                "llama.cpp": llama_cpp_version() if "llama.cpp (bf16)" in rounds else None}
     data = {"rounds": ROUNDS, "requests": REQUESTS, "prompt_tokens": PROMPT,
             "output_tokens": OUTPUT, "results": results, "peer_versions": versions,
             "machine": machine_facts()}

@@ -2,6 +2,7 @@
 paged decode attention (every specialised shape), including ragged blocks, sliding windows
 and NaN in unwritten cache slots."""
 
+import contextlib
 import math
 
 import pytest
@@ -61,6 +62,17 @@ def test_linear_bf16_takes_strided_rows_and_leading_dims():
     torch.testing.assert_close(got, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
     batched = torch.randn(2, 3, 32).bfloat16()
     assert kernels.linear_bf16(batched, packed, None, 64).shape == (2, 3, 64)
+
+
+@contextlib.contextmanager
+def num_threads(count: int):
+    """torch's (and so the kernels') thread count set to `count` for the block."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
@@ -205,17 +217,14 @@ def test_paged_varlen_attention_shares_few_decodes_out_by_head_and_reads_queries
     q = qkv[:, :q_size].view(len(lens), num_kv_heads * group, head_dim)
     query_start = torch.arange(len(lens) + 1)
     seq_lens, scale = torch.tensor(lens), head_dim ** -0.5
-    threads = torch.get_num_threads()
-    try:
-        got = {}
-        for count in (1, 2, 4):
-            torch.set_num_threads(count)
+    got = {}
+    for count in (1, 2, 4):
+        with num_threads(count):
             got[count] = kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
                                                         seq_lens, scale, 0)
+    with num_threads(4):
         copied = kernels.paged_varlen_attention(q.contiguous(), pair_k, pair_v, tables,
                                                 query_start, seq_lens, scale, 0)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(got[2], got[1]) and torch.equal(got[4], got[1])
     assert torch.equal(copied, got[1])
     reference = _reference_decode(q, k_cache, v_cache, tables, seq_lens, scale, 0)
@@ -247,14 +256,10 @@ def test_paged_varlen_attention_splits_a_lone_long_decode_by_context(threads, wi
     queries = {"zero": torch.zeros(1, num_kv_heads * group, head_dim).bfloat16(),
                "random": 4 * torch.randn(1, num_kv_heads * group, head_dim,
                                          generator=generator).bfloat16()}
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with num_threads(threads):
         got = {name: kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
                                                     seq_lens, scale, window)
                for name, q in queries.items()}
-    finally:
-        torch.set_num_threads(saved)
     visible = positions[n - window:] if window else positions
     counts = (visible[:, None] % head_dim == torch.arange(head_dim)).sum(0).double()
     mean = counts / len(visible) * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)[:, None]
