@@ -136,17 +136,21 @@ def test_int8_kernel_rounds_rows_as_the_reference_does():
     assert torch.round(got / row_scale).tolist() == [[127, 2, 2, -2], [127, 64, -64, 0]]
 
 
-@pytest.mark.skipif(kernels.instruction_set() != "avx2", reason="the AVX2 quantizer's case")
-def test_avx2_int8_kernel_quantizes_a_nan_activation_to_zero():
-    """A NaN in a row is left out of its scale and quantized to 0, in the vector part as in the
-    scalar tail: never to -128, past the bound (|q| <= 127) that keeps vpmaddubsw's pair sums
-    from saturating. The row's other products stay exact."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_int8_nan_activation_makes_its_row_nan_and_spares_the_others(dtype):
+    """A NaN in a row's input makes every output of that row NaN, as a bf16 or float32 linear
+    does and on both paths (bfloat16: the kernel, float32: torch), never a number that hides
+    it; the NaN in the vectorised part (index 3) and in the scalar tail (41 of 42), while the
+    rows beside it in the same register tile stay exact."""
     torch.manual_seed(0)
-    q, scale = kernels.quantize_int8(torch.randn(24, 40) * 0.1)
-    x = torch.randn(2, 40).to(torch.bfloat16)
-    x[0, 3] = x[1, 37] = float("nan")  # in the vectorised part and in the tail
-    got = kernels.linear_bf16(x, kernels.pack_linear_weight(q), None, 24, torch.float32, scale)
-    zeroed = torch.nan_to_num(x.float(), nan=0.0)
-    reference = quantized_reference(zeroed, q, scale)
-    assert torch.isfinite(got).all()
-    assert (got.double() - reference).abs().max() < 1e-5 * reference.abs().max()
+    layer = Linear(42, 24, bias=True).to(dtype)
+    q, scale = kernels.quantize_int8(layer.weight.data)
+    bias = layer.bias.data.float()
+    layer.pack("int8")
+    x = torch.randn(4, 42).to(dtype)
+    x[0, 3] = x[2, 41] = float("nan")
+    got = layer(x, torch.float32)
+    assert got[[0, 2]].isnan().all()
+    clean = [1, 3]
+    reference = quantized_reference(x[clean], q, scale, bias)
+    assert (got[clean].double() - reference).abs().max() < 1e-5 * reference.abs().max()

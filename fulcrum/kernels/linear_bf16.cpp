@@ -45,6 +45,21 @@
 #define FULCRUM_LINEAR_AVX2 1
 #endif
 
+namespace {
+
+// An int8 row's scale, amax / 127; NaN for a row with a NaN in it, so that all of its outputs
+// come out NaN, as the bf16 kernels' and torch's do (its NaN quantized to 0 would hide it).
+// Made from bits: -ffinite-math-only lets the compiler assume that no NaN is ever written.
+inline float row_scale_of(float amax, bool has_nan) {
+  if (!has_nan) return amax / 127.0f;
+  const uint32_t bits = 0x7FC00000u;
+  float nan;
+  std::memcpy(&nan, &bits, sizeof nan);
+  return nan;
+}
+
+}  // namespace
+
 #if defined(FULCRUM_LINEAR_AVX512)
 #include <immintrin.h>
 
@@ -139,20 +154,24 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
 }
 
 // Row m of x (K bf16) -> q + 128 in `quantized` (ld bytes, zero-padded to whole quads) and its
-// scale amax / 127, with q = round-half-even(x * (127 / amax)), |q| <= 127.
+// scale amax / 127, with q = round-half-even(x * (127 / amax)), |q| <= 127. A NaN in the row
+// makes its scale NaN (`row_scale_of`), and its q 0.
 void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
   __m512 amax = _mm512_setzero_ps();
+  __mmask16 nan = 0;
   for (int k = 0; k < K; k += 16) {
     const __mmask16 mask = K - k < 16 ? static_cast<__mmask16>((1u << (K - k)) - 1u) : 0xFFFF;
     const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + k));
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))));
+    const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    nan |= _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    amax = _mm512_max_ps(_mm512_abs_ps(value), amax);  // max_ps keeps amax over a NaN
   }
   const float top = _mm512_reduce_max_ps(amax);
   // An IEEE division written so that -freciprocal-math cannot turn it into 127 * (1 / top),
   // which may differ in the last bit and so round a q differently from the reference.
   const float inverse =
       top > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), _mm_set_ss(top))) : 0.0f;
-  *row_scale = top / 127.0f;
+  *row_scale = row_scale_of(top, nan != 0);
   const __m512 factor = _mm512_set1_ps(inverse);
   const __m512i offset = _mm512_set1_epi32(128);
   for (int k = 0; k < K; k += 16) {
@@ -286,23 +305,30 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
 }
 
 // Row m of x (K bf16) -> q (signed, zero-padded to whole quads) and its scale amax / 127, with
-// q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127. Eight lanes
-// at a time: at batch 1 the row is quantized on one thread while the others wait for it.
+// q = round-half-even(x * (127 / amax)) (the CPU's default rounding), |q| <= 127. A NaN in the
+// row makes its scale NaN (`row_scale_of`), and its q 0. Eight lanes at a time: at batch 1 the
+// row is quantized on one thread while the others wait for it.
 void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* row_scale) {
   const int whole = K - K % 8;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int k = 0; k < whole; k += 8)  // |x| first: max_ps keeps its second operand over a NaN
-    amax = _mm256_max_ps(_mm256_andnot_ps(sign, fulcrum::load_bf16x8(x + k)), amax);
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int k = 0; k < whole; k += 8) {  // |x| first: max_ps keeps amax over a NaN
+    const __m256 value = fulcrum::load_bf16x8(x + k);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, value), amax);
+  }
   float top = fulcrum::max_of(amax);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
   for (int k = whole; k < K; ++k) {
-    const float magnitude = std::fabs(fulcrum::bf16_to_float(x[k]));
+    const __m128 value = _mm_set_ss(fulcrum::bf16_to_float(x[k]));
+    has_nan |= (_mm_movemask_ps(_mm_cmp_ss(value, value, _CMP_UNORD_Q)) & 1) != 0;
+    const float magnitude = std::fabs(_mm_cvtss_f32(value));
     top = magnitude > top ? magnitude : top;
   }
   // An IEEE division written so that -freciprocal-math cannot turn it into 127 * (1 / top).
   const float inverse =
       top > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), _mm_set_ss(top))) : 0.0f;
-  *row_scale = top / 127.0f;
+  *row_scale = row_scale_of(top, has_nan);
   const __m256 factor = _mm256_set1_ps(inverse);
   for (int k = 0; k < whole; k += 8) {
     // NaN -> 0, as the scalar tail converts it (the packs below would saturate it to -128)
