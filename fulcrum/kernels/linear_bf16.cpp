@@ -320,9 +320,8 @@ void quantize_row(const uint16_t* x, int K, int ld, uint8_t* quantized, float* r
   float top = fulcrum::max_of(amax);
   bool has_nan = _mm256_movemask_ps(nan) != 0;
   for (int k = whole; k < K; ++k) {
-    const __m128 value = _mm_set_ss(fulcrum::bf16_to_float(x[k]));
-    has_nan |= (_mm_movemask_ps(_mm_cmp_ss(value, value, _CMP_UNORD_Q)) & 1) != 0;
-    const float magnitude = std::fabs(_mm_cvtss_f32(value));
+    has_nan |= (x[k] & 0x7FFFu) > 0x7F80u;  // a NaN's bits, either sign
+    const float magnitude = std::fabs(fulcrum::bf16_to_float(x[k]));
     top = magnitude > top ? magnitude : top;
   }
   // An IEEE division written so that -freciprocal-math cannot turn it into 127 * (1 / top).
