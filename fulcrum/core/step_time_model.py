@@ -26,9 +26,10 @@ _WARM_UPDATES = 16
 _MAX_SURPRISE = 0.5
 _MIN_SURPRISE_S = 2e-3
 _UNANCHORED_RIDGE = 1e-9
-# Once warm, the fit is solved every this many steps (the sums still take in every step): a
-# solve right after a forward pass runs on caches the weights have just swept, ~170 us, a few
-# percent of a batch-1 decode step; a coefficient a few steps old changes no decision.
+# Once warm, the fit is solved every this many steps, and the steps seen since the last solve
+# are folded into its sums then, at once: numpy right after a forward pass runs on caches
+# the weights have just swept (~10 us a call; a solve ~170 us), a few percent of a batch-1
+# decode step; a coefficient a few steps old changes no decision.
 _SOLVE_EVERY = 4
 
 
@@ -69,9 +70,10 @@ class StepShape:
         shape.add_chunk(start, num_tokens)
         return shape
 
-    def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attention,
-                         self.decode_context, self.num_seqs]) * _SCALES
+    def features(self) -> Tuple[float, ...]:
+        """The regression's inputs, unscaled; the first is the fixed cost's."""
+        return (1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attention,
+                self.decode_context, self.num_seqs)
 
     @property
     def is_empty(self) -> bool:
@@ -102,6 +104,8 @@ class StepTimeModel:
         self.anchor: Optional[np.ndarray] = None  # what the fit is regularised towards
         self.gram = np.zeros((size, size))  # sum of weighted x x^T
         self.moment = np.zeros(size)  # sum of weighted x y
+        # Steps not yet in the sums: (unscaled features, the time they are fitted to).
+        self._pending: List[Tuple[Tuple[float, ...], float]] = []
         self.num_updates = 0
         self.last_error = 0.0  # actual - predicted, of the last step seen
         # The coefficients per unscaled feature as floats: predictions run in the scheduler,
@@ -125,19 +129,32 @@ class StepTimeModel:
     def update(self, shape: StepShape, seconds: float) -> None:
         if shape.is_empty:
             return
-        x = shape.features()
-        predicted = float(self.theta @ x)
+        features = shape.features()
+        # The fit's own prediction, unclamped; its coefficients are those of the last solve.
+        predicted = sum(c * f for c, f in zip(self.coefficients, features))
         self.last_error = error = seconds - predicted
         if self.num_updates >= _WARM_UPDATES:
             bound = _MAX_SURPRISE * max(predicted, 0.0) + _MIN_SURPRISE_S
             error = min(max(error, -bound), bound)
-        self.gram = self.forgetting * self.gram + np.outer(x, x)
-        self.moment = self.forgetting * self.moment + x * (predicted + error)
+        self._pending.append((features, predicted + error))
         self.num_updates += 1
         if self.num_updates <= _WARM_UPDATES or self.num_updates % _SOLVE_EVERY == 0:
             self._solve()
 
+    def _fold(self) -> None:
+        """Add the pending steps to the sums, each weighed as if added on its own step."""
+        if not self._pending:
+            return
+        x = np.array([f for f, _ in self._pending]) * _SCALES
+        y = np.array([t for _, t in self._pending])
+        weights = self.forgetting ** np.arange(len(y) - 1, -1, -1)
+        decay = self.forgetting ** len(y)
+        self.gram = decay * self.gram + (x * weights[:, None]).T @ x
+        self.moment = decay * self.moment + x.T @ (weights * y)
+        self._pending = []
+
     def _solve(self) -> None:
+        self._fold()
         # Before an anchor is set, a token ridge only keeps the system solvable.
         ridge, anchor = (_UNANCHORED_RIDGE, 0.0) if self.anchor is None else \
             (self.ridge, self.anchor)
