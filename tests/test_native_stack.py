@@ -1,7 +1,8 @@
 """The decoder stack in one native call (fulcrum/kernels/decoder_stack.cpp) computes what the
 Python layers compute, bit for bit: the same tokens and the same logprobs under chunked
-prefill beside decodes, in bf16 and with int8 weights, with and without QKV bias; models it
-cannot run (per-head q/k norm) keep the Python layers."""
+prefill beside decodes (the LM head in the same call, over the rows that sample), in bf16 and
+with int8 weights, with and without QKV bias; models it cannot run (per-head q/k norm) keep
+the Python layers."""
 
 import pytest
 import torch
@@ -47,7 +48,8 @@ def run(llm, native):
 def test_native_stack_matches_the_python_layers(tmp_path, arch, quantization):
     llm = LLM(str(build(tmp_path / arch, arch)), dtype="bfloat16", quantization=quantization,
               max_num_batched_tokens=32, scheduling_policy="fcfs", enable_prefix_caching=False)
-    assert llm.llm_engine.runner.model.model.native is not None
+    native = llm.llm_engine.runner.model.model.native
+    assert native is not None and native.head is llm.llm_engine.runner.model.lm_head
     assert run(llm, native=True) == run(llm, native=False)
 
 

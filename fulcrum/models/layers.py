@@ -336,6 +336,20 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: List[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            kv_caches: List[KVCache], meta: AttentionMetadata,
+                            logits_rows: Optional[torch.Tensor]
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A step's forward pass: (the hidden states of every row, the fp32 logits of
+        `logits_rows` (None: every row), or None where no row samples). Where the native
+        stack holds the LM head, one call; its outputs then last until the next step."""
+        native = self.model.native
+        if native is not None and native.head is not None:
+            return native.with_logits(input_ids, positions, kv_caches, meta, logits_rows)
+        hidden = self(input_ids, positions, kv_caches, meta)
+        sampling = hidden if logits_rows is None else hidden[logits_rows]
+        return hidden, self.compute_logits(sampling) if sampling.shape[0] else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `hidden`'s rows; every rank of a group must call it alike."""
         logits = self.lm_head(hidden, torch.float32)
@@ -358,7 +372,7 @@ class DecoderForCausalLM(nn.Module):
         for module, slot in zip(packed, slots):  # each old copy is freed as its slot fills
             module.packed = slot.copy_(module.packed)
         self.model.native = NativeStack.for_model(
-            self.model, self.model.layers[0].self_attn.backend, self.group)
+            self.model, self.model.layers[0].self_attn.backend, self.group, self.lm_head)
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters (this

@@ -38,7 +38,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [("vocab_start", ctypes.c_int64), ("vocab_end", ctypes.c_int64)] + [
+    _fields_ = [("vocab_start", ctypes.c_int64), ("vocab_end", ctypes.c_int64),
+                ("head", _Projection), ("vocab", _I)] + [
         (name, _I) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                 "intermediate", "block_size", "max_blocks", "window",
                                 "num_threads")] + [("eps", _F), ("scale", _F)]
@@ -48,7 +49,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I), ("num_seqs", _I)] + [
         (name, _P) for name in ("token_ids", "embedding", "final_norm", "normed", "hidden",
                                 "residual", "qkv", "attn", "gate_up", "act", "positions",
-                                "cos", "sin", "slots", "tables", "query_start", "seq_lens")]
+                                "cos", "sin", "slots", "tables", "query_start", "seq_lens",
+                                "logits", "logit_rows")] + [("num_logit_rows", _I)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,10 +76,11 @@ class NativeStack:
     """`model`'s layers as one native call; build with `NativeStack.for_model`."""
 
     def __init__(self, model: Any, library: ctypes.CDLL,
-                 all_reduce: Optional[Tuple[int, int]] = None) -> None:
-        """`all_reduce`: (the native bf16 all-reduce, its group) under tensor parallelism."""
+                 all_reduce: Optional[Tuple[int, int]] = None, head: Any = None) -> None:
+        """`all_reduce`: (the native bf16 all-reduce, its group) under tensor parallelism;
+        `head`: the packed LM head `with_logits` ends with (None: it cannot be called)."""
         spec = model.layers[0].self_attn
-        self.model, self.library = model, library
+        self.model, self.library, self.head = model, library, head
         linear, elementwise, attention = (kernels._linear_library(),
                                           kernels._elementwise_library(),
                                           kernels.paged_attention())
@@ -105,12 +108,15 @@ class NativeStack:
         self._scratch_width = sum(padded)
         self._layers: Optional[ctypes.Array] = None
         self._caches: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        # The last single-token step's inputs, outputs and call arguments (see `with_logits`).
+        self._kept: Optional[Tuple[tuple, torch.Tensor, Optional[torch.Tensor], tuple]] = None
 
     @classmethod
-    def for_model(cls, model: Any, backend: Any,
-                  group: Any = None) -> Optional["NativeStack"]:
+    def for_model(cls, model: Any, backend: Any, group: Any = None,
+                  head: Any = None) -> Optional["NativeStack"]:
         """A NativeStack if every piece of `model` (a DecoderModel) has its kernel (and, with
-        a tensor-parallel `group`, a native all-reduce between its ranks), else None."""
+        a tensor-parallel `group`, a native all-reduce between its ranks), else None. The LM
+        `head` joins it on one rank, if packed (a rank's share of it needs a gather)."""
         from fulcrum.models.attention import CpuVarlenAttentionBackend
 
         layers = model.layers
@@ -130,7 +136,8 @@ class NativeStack:
             if all_reduce is None:
                 return None
         library = _library()
-        return None if library is None else cls(model, library, all_reduce)
+        head = head if group is None and head is not None and head.packed is not None else None
+        return None if library is None else cls(model, library, all_reduce, head)
 
     def fits(self, tokens: int) -> bool:
         """Whether a step of `tokens` rows fits (a reduced tensor must fit a shared slot)."""
@@ -153,15 +160,54 @@ class NativeStack:
                  kv_caches: List[Tuple[torch.Tensor, torch.Tensor]],
                  meta: Any) -> torch.Tensor:
         """The final norm's output [T, H] for the tokens `input_ids` [T]."""
+        normed, _, arguments = self._prepare(input_ids, positions, kv_caches, meta, None, False)
+        self._run(arguments)
+        return normed
+
+    def with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: List[Tuple[torch.Tensor, torch.Tensor]], meta: Any,
+                    logits_rows: Optional[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(the final norm's output, the head's fp32 logits of `logits_rows` (None: every
+        row), or None where no row samples), in one call. A step where every sequence has one
+        token keeps its buffers and arguments: called next with the very same tensors (as the
+        runner's decode steps of one shape are), it reuses them, so what it returned is
+        overwritten then."""
+        key = (input_ids, positions, meta, kv_caches, logits_rows, torch.get_num_threads())
+        kept = self._kept
+        if kept is not None and all(a is b for a, b in zip(kept[0][:5], key[:5])) \
+                and kept[0][5] == key[5]:
+            self._run(kept[3])
+            return kept[1], kept[2]
+        normed, logits, arguments = self._prepare(input_ids, positions, kv_caches, meta,
+                                                  logits_rows, True)
+        self._run(arguments)
+        single_tokens = input_ids.shape[0] == meta.seq_lens.shape[0]
+        self._kept = (key, normed, logits, arguments) if single_tokens else None
+        return normed, logits
+
+    def _run(self, arguments: tuple) -> None:
+        if self.library.fulcrum_decoder_stack(*arguments[0]):
+            raise RuntimeError("the native decoder stack failed")
+
+    def _prepare(self, input_ids, positions, kv_caches, meta, logits_rows, with_head: bool):
+        """(normed, logits, the call's arguments with the structures and tensors they point
+        into, which must live as long as the arguments are used)."""
         d = self.dims
         tokens = input_ids.shape[0]
         normed = torch.empty(tokens, d["hidden"], dtype=torch.bfloat16)
         scratch = torch.empty(tokens * self._scratch_width, dtype=torch.bfloat16)
         base = scratch.data_ptr()
         parts = [base + 2 * tokens * offset for offset in self._offsets]
+        head, logits = self.head if with_head else None, None
+        num_rows = tokens if logits_rows is None else logits_rows.shape[0]
+        if head is not None and num_rows:
+            logits = torch.empty(num_rows, head.out_features, dtype=torch.float32)
         k_cache = kv_caches[0][0]
         embedding = self.model.embed_tokens
-        dims = _Dims(embedding.start, embedding.end, d["num_layers"], d["hidden"],
+        dims = _Dims(embedding.start, embedding.end,
+                     _Projection() if head is None else _projection(head),
+                     0 if head is None else head.out_features, d["num_layers"], d["hidden"],
                      d["num_heads"], d["num_kv_heads"], d["head_dim"], d["intermediate"],
                      k_cache.shape[3], meta.block_tables.shape[1], meta.sliding_window,
                      torch.get_num_threads(), d["eps"], d["scale"])
@@ -170,10 +216,9 @@ class NativeStack:
                      embedding.weight.data_ptr(), self.model.norm.weight.data_ptr(),
                      normed.data_ptr(), *parts, *[t.data_ptr() for t in (
                          positions, rotary.cos, rotary.sin, meta.slot_mapping,
-                         meta.block_tables, meta.query_start_loc, meta.seq_lens)])
-        status = self.library.fulcrum_decoder_stack(
-            ctypes.addressof(self.kernels), ctypes.addressof(self._layer_table(kv_caches)),
-            ctypes.addressof(dims), ctypes.addressof(step))
-        if status:
-            raise RuntimeError("the native decoder stack failed")
-        return normed
+                         meta.block_tables, meta.query_start_loc, meta.seq_lens)],
+                     None if logits is None else logits.data_ptr(),
+                     None if logits_rows is None else logits_rows.data_ptr(), num_rows)
+        call = (ctypes.addressof(self.kernels), ctypes.addressof(self._layer_table(kv_caches)),
+                ctypes.addressof(dims), ctypes.addressof(step))
+        return normed, logits, (call, dims, step, scratch, normed, logits)

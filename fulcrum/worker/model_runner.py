@@ -145,9 +145,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         start = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            sampling = hidden if logits_rows is None else hidden[logits_rows]
-            logits = self.model.compute_logits(sampling) if sampling.shape[0] else None
+            hidden, logits = self.model.forward_with_logits(input_ids, positions,
+                                                            self.kv_caches, meta, logits_rows)
         self.last_forward_seconds = time.perf_counter() - start
         return hidden, logits
 
