@@ -64,6 +64,57 @@ def test_linear_bf16_takes_strided_rows_and_leading_dims():
     assert kernels.linear_bf16(batched, packed, None, 64).shape == (2, 3, 64)
 
 
+_STEAL_CHECK = """
+import ctypes
+import torch
+from fulcrum import kernels
+print(ctypes.CDLL("libgomp.so.1").omp_get_thread_limit())  # torch's, already loaded
+generator = torch.Generator().manual_seed(0)
+x = torch.randn(37, 96, generator=generator).bfloat16()
+weight = torch.randn(200, 96, generator=generator).bfloat16()
+q, scale = kernels.quantize_int8(weight)
+library = kernels._linear_library()
+for packed, scale in ((kernels.pack_linear_weight(weight), None),
+                      (kernels.pack_linear_weight(q), scale)):
+    alone = kernels.linear_bf16(x, packed, None, 200, torch.float32, scale)
+    asked = torch.full_like(alone, float("nan"))
+    common = (asked.data_ptr(), 200, 37, 200, 96, 1, 4)
+    if scale is None:
+        status = library.fulcrum_linear_bf16(x.data_ptr(), 96, packed.data_ptr(), None, *common)
+    else:
+        status = library.fulcrum_linear_int8(x.data_ptr(), 96, packed.data_ptr(),
+                                             scale.data_ptr(), None, *common)
+    print(status, torch.equal(asked, alone))
+"""
+
+
+@needs_linear
+def test_linear_work_of_threads_that_never_came_is_done_by_those_that_did():
+    """Each of the kernel's threads starts on an equal share of the panels and, when done,
+    steals from the others. Under OMP_THREAD_LIMIT=1 a call asking for 4 threads gets a team
+    of one, which must then take the three unowned shares too: every output (bf16 and int8
+    weights) as one thread computes it, none left unwritten (NaN)."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _STEAL_CHECK], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_THREAD_LIMIT": "1"})
+    assert result.stdout.split("\n")[:3] == ["1", "0 True", "0 True"], result.stderr
+
+
+@needs_linear
+def test_linear_outputs_do_not_depend_on_the_thread_count():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 64, generator=generator).bfloat16()
+    packed = kernels.pack_linear_weight(torch.randn(1000, 64, generator=generator).bfloat16())
+    outputs = []
+    for count in (1, 2, 7):
+        with num_threads(count):
+            outputs.append(kernels.linear_bf16(x, packed, None, 1000, torch.float32))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
 @contextlib.contextmanager
 def num_threads(count: int):
     """torch's (and so the kernels') thread count set to `count` for the block."""
