@@ -103,6 +103,28 @@ def test_greedy_is_argmax_per_row():
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_rows_take_a_given_argmax_only_where_nothing_changed_the_logits():
+    """The native LM head hands its argmax along; a given (here deliberately wrong) argmax
+    is taken as is by plain greedy rows, beside a random row too, and ignored once a logit
+    bias, penalties or min_tokens change the logits."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0], [3.0, 0.0, 0.0, 0.0]])
+    given = torch.tensor([2, 3])
+    sampler = Sampler(0, CPU)
+
+    def tokens(*rows):
+        return [t.token_id for t in sampler(logits.clone(), list(rows), given.clone())]
+
+    assert tokens(row("a", temperature=0.0), row("b", temperature=0.0)) == [2, 3]
+    assert tokens(row("a", temperature=0.0, logit_bias={3: 2.0}),
+                  row("b", temperature=0.0)) == [3, 0]
+    assert tokens(row("a", temperature=0.0, output=[1], presence_penalty=2.0),
+                  row("b", temperature=0.0)) == [3, 0]
+    assert tokens(row("a", temperature=0.0, stop=[1], min_tokens=2),
+                  row("b", temperature=0.0)) == [3, 0]
+    mixed = tokens(row("a", temperature=0.0), row("b", temperature=1.0, seed=0))
+    assert mixed[0] == 2 and mixed[1] in range(4)
+
+
 def test_greedy_ignores_top_k_top_p_and_seed():
     logits = [0.0, 3.0, 1.0]
     assert greedy(logits, top_k=1, top_p=0.1, seed=3) == 1

@@ -338,17 +338,17 @@ class DecoderForCausalLM(nn.Module):
 
     def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                             kv_caches: List[KVCache], meta: AttentionMetadata,
-                            logits_rows: Optional[torch.Tensor]
-                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                            logits_rows: Optional[torch.Tensor]) -> Tuple[Any, ...]:
         """A step's forward pass: (the hidden states of every row, the fp32 logits of
-        `logits_rows` (None: every row), or None where no row samples). Where the native
-        stack holds the LM head, one call; its outputs then last until the next step."""
+        `logits_rows` (None: every row), or None where no row samples, and each logits row's
+        argmax where it came at no cost, else None). Where the native stack holds the LM
+        head, one call, which also takes the argmax; its outputs last until the next step."""
         native = self.model.native
         if native is not None and native.head is not None:
             return native.with_logits(input_ids, positions, kv_caches, meta, logits_rows)
         hidden = self(input_ids, positions, kv_caches, meta)
         sampling = hidden if logits_rows is None else hidden[logits_rows]
-        return hidden, self.compute_logits(sampling) if sampling.shape[0] else None
+        return hidden, self.compute_logits(sampling) if sampling.shape[0] else None, None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `hidden`'s rows; every rank of a group must call it alike."""

@@ -24,7 +24,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("linear", "linear_int8", "rms_norm", "silu_mul", "rope",
                                         "write_kv", "attention", "all_reduce",
-                                        "all_reduce_group")]
+                                        "all_reduce_group", "argmax")]
 
 
 class _Projection(ctypes.Structure):
@@ -50,7 +50,7 @@ class _Step(ctypes.Structure):
         (name, _P) for name in ("token_ids", "embedding", "final_norm", "normed", "hidden",
                                 "residual", "qkv", "attn", "gate_up", "act", "positions",
                                 "cos", "sin", "slots", "tables", "query_start", "seq_lens",
-                                "logits", "logit_rows")] + [("num_logit_rows", _I)]
+                                "logits", "argmax", "logit_rows")] + [("num_logit_rows", _I)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,15 +81,16 @@ class NativeStack:
         `head`: the packed LM head `with_logits` ends with (None: it cannot be called)."""
         spec = model.layers[0].self_attn
         self.model, self.library, self.head = model, library, head
-        linear, elementwise, attention = (kernels._linear_library(),
-                                          kernels._elementwise_library(),
-                                          kernels.paged_attention())
+        linear, elementwise, attention, argmax = (
+            kernels._linear_library(), kernels._elementwise_library(),
+            kernels.paged_attention(), kernels._argmax_library())
         self.kernels = _Kernels(
             _entry(linear, "fulcrum_linear_bf16"), _entry(linear, "fulcrum_linear_int8"),
             _entry(elementwise, "fulcrum_rms_norm_bf16"),
             _entry(elementwise, "fulcrum_silu_mul_bf16"), _entry(elementwise, "fulcrum_rope_bf16"),
             _entry(attention, "paged_write_kv_bf16"),
-            _entry(attention, "paged_varlen_attention_bf16"), *(all_reduce or (None, None)))
+            _entry(attention, "paged_varlen_attention_bf16"), *(all_reduce or (None, None)),
+            None if argmax is None else _entry(argmax, "fulcrum_argmax_f32"))
         self.reduces = all_reduce is not None
         first = model.layers[0]
         self.dims = dict(num_layers=len(model.layers), hidden=first.mlp.down_proj.out_features,
@@ -160,49 +161,50 @@ class NativeStack:
                  kv_caches: List[Tuple[torch.Tensor, torch.Tensor]],
                  meta: Any) -> torch.Tensor:
         """The final norm's output [T, H] for the tokens `input_ids` [T]."""
-        normed, _, arguments = self._prepare(input_ids, positions, kv_caches, meta, None, False)
+        outputs, arguments = self._prepare(input_ids, positions, kv_caches, meta, None, False)
         self._run(arguments)
-        return normed
+        return outputs[0]
 
     def with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]], meta: Any,
-                    logits_rows: Optional[torch.Tensor]
-                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    logits_rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         """(the final norm's output, the head's fp32 logits of `logits_rows` (None: every
-        row), or None where no row samples), in one call. A step where every sequence has one
-        token keeps its buffers and arguments: called next with the very same tensors (as the
-        runner's decode steps of one shape are), it reuses them, so what it returned is
-        overwritten then."""
+        row) and each one's argmax; both None where no row samples), in one call. A step where
+        every sequence has one token keeps its buffers and arguments: called next with the
+        very same tensors (as the runner's decode steps of one shape are), it reuses them, so
+        what it returned is overwritten then."""
         key = (input_ids, positions, meta, kv_caches, logits_rows, torch.get_num_threads())
         kept = self._kept
         if kept is not None and all(a is b for a, b in zip(kept[0][:5], key[:5])) \
                 and kept[0][5] == key[5]:
-            self._run(kept[3])
-            return kept[1], kept[2]
-        normed, logits, arguments = self._prepare(input_ids, positions, kv_caches, meta,
-                                                  logits_rows, True)
+            self._run(kept[2])
+            return kept[1]
+        outputs, arguments = self._prepare(input_ids, positions, kv_caches, meta, logits_rows,
+                                           True)
         self._run(arguments)
         single_tokens = input_ids.shape[0] == meta.seq_lens.shape[0]
-        self._kept = (key, normed, logits, arguments) if single_tokens else None
-        return normed, logits
+        self._kept = (key, outputs, arguments) if single_tokens else None
+        return outputs
 
     def _run(self, arguments: tuple) -> None:
         if self.library.fulcrum_decoder_stack(*arguments[0]):
             raise RuntimeError("the native decoder stack failed")
 
     def _prepare(self, input_ids, positions, kv_caches, meta, logits_rows, with_head: bool):
-        """(normed, logits, the call's arguments with the structures and tensors they point
-        into, which must live as long as the arguments are used)."""
+        """((normed, logits, argmax), the call's arguments with the structures and tensors
+        they point into, which must live as long as the arguments are used)."""
         d = self.dims
         tokens = input_ids.shape[0]
         normed = torch.empty(tokens, d["hidden"], dtype=torch.bfloat16)
         scratch = torch.empty(tokens * self._scratch_width, dtype=torch.bfloat16)
         base = scratch.data_ptr()
         parts = [base + 2 * tokens * offset for offset in self._offsets]
-        head, logits = self.head if with_head else None, None
+        head, logits, argmax = self.head if with_head else None, None, None
         num_rows = tokens if logits_rows is None else logits_rows.shape[0]
         if head is not None and num_rows:
             logits = torch.empty(num_rows, head.out_features, dtype=torch.float32)
+            if self.kernels.argmax:
+                argmax = torch.empty(num_rows, dtype=torch.int64)
         k_cache = kv_caches[0][0]
         embedding = self.model.embed_tokens
         dims = _Dims(embedding.start, embedding.end,
@@ -217,8 +219,9 @@ class NativeStack:
                      normed.data_ptr(), *parts, *[t.data_ptr() for t in (
                          positions, rotary.cos, rotary.sin, meta.slot_mapping,
                          meta.block_tables, meta.query_start_loc, meta.seq_lens)],
-                     None if logits is None else logits.data_ptr(),
-                     None if logits_rows is None else logits_rows.data_ptr(), num_rows)
+                     *[None if t is None else t.data_ptr() for t in (logits, argmax,
+                                                                       logits_rows)],
+                     num_rows)
         call = (ctypes.addressof(self.kernels), ctypes.addressof(self._layer_table(kv_caches)),
                 ctypes.addressof(dims), ctypes.addressof(step))
-        return normed, logits, (call, dims, step, scratch, normed, logits)
+        return (normed, logits, argmax), (call, dims, step, scratch, normed, logits, argmax)

@@ -125,30 +125,32 @@ class ModelRunner:
         if output.is_empty:
             return StepResult()
         chunks = step_order(output.chunks)
-        hidden, logits = self._forward(chunks)
+        hidden, logits, argmax = self._forward(chunks)
         result = StepResult(prompt_logprobs=self._prompt_logprobs(hidden, chunks))
         if logits is not None:
             result.sampled, result.failed = self._sample(
-                logits, [c.sampling for c in chunks if c.sample])
+                logits, argmax, [c.sampling for c in chunks if c.sample])
         return result
 
     def follow(self, chunks: Sequence[ChunkInput]) -> None:
         """A non-driver rank's step: the driver's forward pass and LM-head calls, on this
         rank's share of the model; the driver samples."""
-        hidden, _ = self._forward(chunks)
+        hidden, _, _ = self._forward(chunks)
         with torch.inference_mode():
             for _, _, rows in self._prompt_logprob_rows(chunks):
                 self.model.compute_logits(hidden[rows])
 
-    def _forward(self, chunks) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(hidden states of every row, logits of the rows that sample, None if none does)."""
+    def _forward(self, chunks) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                        Optional[torch.Tensor]]:
+        """(hidden states of every row, logits of the rows that sample, None if none does,
+        and their argmax where the forward pass gave it)."""
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         start = time.perf_counter()
         with torch.inference_mode():
-            hidden, logits = self.model.forward_with_logits(input_ids, positions,
-                                                            self.kv_caches, meta, logits_rows)
+            outputs = self.model.forward_with_logits(input_ids, positions, self.kv_caches, meta,
+                                                     logits_rows)
         self.last_forward_seconds = time.perf_counter() - start
-        return hidden, logits
+        return outputs
 
     @staticmethod
     def _prompt_logprob_rows(chunks) -> Iterator[Tuple[object, slice, slice]]:
@@ -175,11 +177,12 @@ class ModelRunner:
                 logprobs, chunk.prompt_logprob_targets[part], chunk.num_prompt_logprobs))
         return found
 
-    def _sample(self, logits: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, argmax: Optional[torch.Tensor],
                 rows: List[SamplingRow]) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:
         """Sample the batch at once; if that fails, row by row, so one bad row fails alone."""
         try:
-            return {row.request_id: t for row, t in zip(rows, self.sampler(logits, rows))}, {}
+            return {row.request_id: t
+                    for row, t in zip(rows, self.sampler(logits, rows, argmax))}, {}
         except Exception:  # noqa: BLE001 - isolated below, row by row
             logger.exception("sampling the batch failed; sampling its rows one by one")
         sampled, failed = {}, {}
