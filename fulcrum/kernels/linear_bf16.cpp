@@ -388,8 +388,9 @@ constexpr auto kInt8Tiles = int8_tiles(std::make_integer_sequence<int, kRows>{})
 constexpr int kItemTiles = 16;
 
 // One thread's work items [next, end) in one atomic word, so that the owner's claims from the
-// front and a thief's cut from the back can never both take an item.
-struct Share {
+// front and a thief's cut from the back can never both take an item. A cache line each: the
+// owners' claims would otherwise pass one line back and forth between the cores.
+struct alignas(64) Share {
   std::atomic<uint64_t> word{0};
 
   static uint64_t pack(int64_t next, int64_t end) {
