@@ -110,7 +110,7 @@ class NativeStack:
         self._layers: Optional[ctypes.Array] = None
         self._caches: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         # The last single-token step's inputs, outputs and call arguments (see `with_logits`).
-        self._kept: Optional[Tuple[tuple, torch.Tensor, Optional[torch.Tensor], tuple]] = None
+        self._kept: Optional[Tuple[tuple, tuple, tuple]] = None  # (inputs, outputs, arguments)
 
     @classmethod
     def for_model(cls, model: Any, backend: Any, group: Any = None,

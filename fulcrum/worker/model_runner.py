@@ -2,7 +2,8 @@
 
 Inputs are built with numpy in a handful of vectorised operations (no per-token Python
 loops): flat token ids and positions, the cache slot of every new token, and the
-attention metadata (single-token queries first, then prefill chunks).
+attention metadata (single-token queries first, then prefill chunks). A step of single tokens
+(decodes) is written instead, in plain Python, into one persistent buffer (`SingleTokenInputs`).
 
 Under tensor parallelism every rank runs the same forward pass and the same LM-head calls
 (their collectives must pair up); the driver's runner alone samples (`execute`), the
@@ -89,7 +90,7 @@ class SingleTokenInputs:
             self._key = None
         self._numpy[:len(flat)] = flat
         if self._staged is not self._host:
-            self._staged[:len(flat)].copy_(self._host[:len(flat)], non_blocking=True)
+            self._staged[:len(flat)].copy_(self._host[:len(flat)])
         if self._key != (n, width, num_rows):
             self._key, self._views = (n, width, num_rows), self._make_views(n, width, num_rows)
         return self._views
