@@ -58,3 +58,21 @@ def test_models_it_cannot_run_keep_the_python_layers(tmp_path):
     assert llm.llm_engine.runner.model.model.native is None  # q/k RMSNorm per head
     assert LLM(str(build(tmp_path / "f32", "llama")), dtype="float32"
                ).llm_engine.runner.model.model.native is None
+
+
+def test_greedy_and_random_rows_in_one_native_step_are_sampled_together(tmp_path, caplog):
+    """The native call's argmax is the greedy rows' tokens, and the random rows' are drawn
+    into the same tensor: it must take that write (an inference-mode tensor refused it, and
+    every such step fell back to sampling row by row)."""
+    llm = LLM(str(build(tmp_path / "llama", "llama")), dtype="bfloat16",
+              scheduling_policy="fcfs", enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    random = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    with caplog.at_level("ERROR"):
+        outputs = llm.generate([prompt, prompt], [greedy, random], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone
+    assert len(outputs[1].outputs[0].token_ids) == 8
+    assert not [r for r in caplog.records if "sampling the batch failed" in r.getMessage()]
+

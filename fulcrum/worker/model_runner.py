@@ -147,9 +147,8 @@ class ModelRunner:
         and their argmax where the forward pass gave it)."""
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         start = time.perf_counter()
-        with torch.inference_mode():
-            outputs = self.model.forward_with_logits(input_ids, positions, self.kv_caches, meta,
-                                                     logits_rows)
+        outputs = self.model.forward_with_logits(input_ids, positions, self.kv_caches, meta,
+                                                 logits_rows)
         self.last_forward_seconds = time.perf_counter() - start
         return outputs
 
