@@ -79,10 +79,12 @@ class SingleTokenInputs:
         self._key: Optional[Tuple[int, int, Optional[int]]] = None
         self._views: Optional[tuple] = None
 
-    def __call__(self, flat: List[int], n: int, width: int, num_rows: Optional[int]):
+    def __call__(self, flat: List[int], n: int, width: int, rows: Optional[List[int]]):
         """Token ids, positions, attention metadata and logits rows (None: every row) of a
         step of `n` tokens, from `flat`: ids, positions, slots, query starts (n + 1),
-        sequence lengths, block tables (n x `width`), then the `num_rows` logits rows."""
+        sequence lengths and block tables (n x `width`)."""
+        num_rows = None if rows is None else len(rows)
+        flat += rows or []
         if len(flat) > len(self._numpy):
             self._host = torch.zeros(2 * len(flat), dtype=torch.int64)
             self._numpy = self._host.numpy()
@@ -249,8 +251,7 @@ class ModelRunner:
             flat += [NULL_BLOCK] * (width - len(chunk.block_table))
         # A chunk inside a prompt (sample False) leaves its row out of the logits' rows.
         rows = [i for i, c in enumerate(chunks) if c.sample]
-        flat += rows if len(rows) < n else []
-        return self._single_token_inputs(flat, n, width, len(rows) if len(rows) < n else None)
+        return self._single_token_inputs(flat, n, width, rows if len(rows) < n else None)
 
     def _decode_context(self, tables: np.ndarray, context_lens: np.ndarray):
         """Block tables, context lengths and (for the torch backend) the key mask."""
