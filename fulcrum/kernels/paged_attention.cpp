@@ -422,6 +422,18 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
     for (int tp = 0; tp < kBlock / 2; ++tp)
       keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
                                                     (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
+    // The next block's tiles, a line per step of the score loops below: blocks sit
+    // anywhere in the cache, beyond the hardware prefetcher's guess, and a burst of
+    // prefetches would overflow the miss buffers (and be dropped).
+    const int64_t next_offset =
+        b + 1 < end_block ? (table[b + 1] * num_kv_heads + kv_head) * kTile : -1;
+    const char* ahead[2] = {
+        next_offset < 0 ? nullptr : reinterpret_cast<const char*>(k_cache + next_offset),
+        next_offset < 0 ? nullptr : reinterpret_cast<const char*>(v_cache + next_offset)};
+    const int64_t lines = next_offset < 0 ? 0 : int64_t{2} * heads * kTile * 2 / 64;
+    const int64_t steps = static_cast<int64_t>(heads) * ((per_head + 1) / 2) * (kDim / 2);
+    const int64_t per_step = (lines + steps - 1) / steps;
+    int64_t line = 0;
     for (int h = 0; h < heads; ++h) {
       const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
       const __m256i* keys = reinterpret_cast<const __m256i*>(k_cache + offset);
@@ -430,6 +442,8 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
         const int pair = std::min(2, (h + 1) * per_head - i0);
         __m256 scores[2][2][2] = {};  // [vector][tokens 0-7, 8-15][dim even, odd]
         for (int dp = 0; dp < kDim / 2; ++dp) {
+          for (int64_t k = 0; k < per_step && line < lines; ++k, ++line)
+            _mm_prefetch(ahead[line & 1] + 64 * (line >> 1), _MM_HINT_T0);
           const __m256i lo = _mm256_loadu_si256(keys + 2 * dp);
           const __m256i hi = _mm256_loadu_si256(keys + 2 * dp + 1);
           for (int c = 0; c < 2; ++c) {
