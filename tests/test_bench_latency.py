@@ -69,3 +69,19 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
     assert lines[-1] == "![latency](../r/latency.png)"
     assert sum(line.startswith("| float32 | ") or line.startswith("| int8 | ")
                for line in lines) == 4
+
+
+
+
+
+def test_a_run_without_a_whole_batch_step_says_why(llama_dir):
+    """One 16-token prompt chunk a step: the first request decodes its 6 tokens while the
+    other prompts are still being prefilled, so no step decodes all 8; the bench says so
+    (it once failed with "no median for empty data")."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64,
+                                    max_num_batched_tokens=64, scheduling_policy="fcfs",
+                                    long_prefill_token_threshold=16,
+                                    max_num_partial_prefills=1))
+    with pytest.raises(ValueError, match=r"no step decoded all 8 requests together: "
+                                         r"prefilling their 8 x 40 prompt tokens \(64 a step"):
+        measure({"float32": engine}, [8], input_len=40, output_len=6, runs=1)

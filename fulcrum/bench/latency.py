@@ -130,6 +130,12 @@ def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
                 probe()
         steps += [s for s in list(engine.stats)[first:]
                   if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
+    if runs and not steps:  # the prompts' prefill outlasted the first requests' output
+        raise ValueError(
+            f"no step decoded all {batch} requests together: prefilling their {batch} x "
+            f"{input_len} prompt tokens ({engine.config.max_num_batched_tokens} a step at "
+            f"most) took longer than the first of them took to make their {output_len} "
+            f"output tokens; raise --output-len or lower --input-len")
     return steps
 
 
