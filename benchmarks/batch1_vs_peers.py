@@ -18,7 +18,6 @@ llama.cpp's with `bash benchmarks/peers/llama-cpp.sh install` (LLAMA_CPP_DIR lik
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -28,7 +27,7 @@ import numpy as np
 
 from fulcrum.bench.datasets import SampleRequest
 from fulcrum.bench.report import (free_port, fulcrum_command, llama_cpp_command, llama_cpp_gguf,
-                                  llama_cpp_version, machine_facts, running_server,
+                                  llama_cpp_version, machine_facts, results_name, running_server,
                                   vllm_command, vllm_version)
 from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 from fulcrum.bench.shapes import shape_dir
@@ -78,10 +77,7 @@ def round_tpot(kind: str, flags: list, model: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--name", default="batch1_vs_peers",
-                        help="results/<name>.json and .md (keep each machine's apart)")
-    stem = parser.parse_args().name
+    stem, command = results_name("batch1_vs_peers.py", __doc__, "batch1_vs_peers")
     model = shape_dir("smollm2-135m")
     versions = {"vLLM": vllm_version(), "llama.cpp": llama_cpp_version()}  # None: not installed
     engines = dict(ENGINES)
@@ -108,8 +104,6 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     machine = data["machine"]
-    command = "python benchmarks/batch1_vs_peers.py" + (
-        "" if stem == "batch1_vs_peers" else f" --name {stem}")
     lines = ["# One request decoding alone: fulcrum beside vLLM and llama.cpp", "",
              f"smollm2-135m shape, random weights, one streaming client, {REQUESTS} requests one "
              f"after another ({PROMPT}-token prompts, {OUTPUT} output tokens), each server alone "

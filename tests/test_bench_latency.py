@@ -5,12 +5,13 @@ its numbers. No timing assertions."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
 import pytest
 
-from fulcrum.bench.latency import measure, step_work, summary
+from fulcrum.bench.latency import measure, step_work, summary, workload_flops
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
 
@@ -85,3 +86,19 @@ def test_a_run_without_a_whole_batch_step_says_why(llama_dir):
     with pytest.raises(ValueError, match=r"no step decoded all 8 requests together: "
                                          r"prefilling their 8 x 40 prompt tokens \(64 a step"):
         measure({"float32": engine}, [8], input_len=40, output_len=6, runs=1)
+
+
+def test_workload_flops_counts_each_computed_token_once(engine, llama_dir):
+    """Prompts of 5 and 3 tokens making 4 and 1 outputs: 8 and 3 tokens pass through the
+    stack (the last output is never fed back), 5 rows of the LM head, and the token at
+    position t attends to t + 1 keys."""
+    config = json.loads((Path(llama_dir) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = hidden // heads
+    per_layer = (hidden * (heads + 2 * config["num_key_value_heads"]) * head_dim
+                 + heads * head_dim * hidden + 3 * hidden * config["intermediate_size"])
+    body = config["num_hidden_layers"] * per_layer
+    per_key = 4 * config["num_hidden_layers"] * heads * head_dim
+    expected = (2 * body * (8 + 3) + 2 * hidden * config["vocab_size"] * (4 + 1)
+                + per_key * (sum(range(1, 9)) + sum(range(1, 4))))
+    assert workload_flops(engine.runner.model, [5, 3], [4, 1]) == expected

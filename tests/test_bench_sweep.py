@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 import torch
@@ -12,8 +13,10 @@ import torch
 from fulcrum.bench.cli import register
 from fulcrum.bench.datasets import random_requests
 from fulcrum.bench.hf_baseline import measure_hf
+from fulcrum.bench.latency import workload_flops
 from fulcrum.bench.shapes import SMOLLM2_135M, shape_dir
 from fulcrum.bench.throughput import measure_fulcrum, write_comparison
+from fulcrum.llm import LLM
 from fulcrum.tokenizer import Tokenizer
 
 SMALL_KV = ["--kv-cache-memory-bytes", "20000000"]
@@ -43,7 +46,7 @@ def test_sweep_writes_png_and_table(llama_dir, tmp_path, capsys):
     assert "TTFT p99" in capsys.readouterr().out
 
 
-def test_throughput_command(llama_dir, tmp_path):
+def test_throughput_command(llama_dir, tmp_path, capsys):
     saved = tmp_path / "throughput.json"
     assert _run_cli(["bench", "throughput", str(llama_dir), "--num-prompts", "3",
                      "--input-len", "8", "--output-len", "4", "--save-result", str(saved),
@@ -51,6 +54,14 @@ def test_throughput_command(llama_dir, tmp_path):
     result = json.loads(saved.read_text())["result"]
     assert result["num_requests"] == 3 and result["output_tokens"] == 12
     assert result["input_tokens"] == 24 and result["peak_rss_mib"] > 0
+    assert json.loads(saved.read_text())["machine"]["cores"] == os.cpu_count()
+    # three 8-token prompts making 4 tokens each: the roofline of exactly that work
+    model = LLM(str(llama_dir), kv_cache_memory_bytes=20_000_000).llm_engine.runner.model
+    assert result["flops"] == workload_flops(model, [8] * 3, [4] * 3)
+    assert result["matrix_peak_flops"] > 0
+    assert result["roofline_s"] == result["flops"] / result["matrix_peak_flops"]
+    assert result["share_of_roofline"] == result["roofline_s"] / result["elapsed_s"]
+    assert "% of the roofline" in capsys.readouterr().out
 
 
 def test_fulcrum_and_hf_produce_the_same_token_counts(llama_dir, tmp_path):

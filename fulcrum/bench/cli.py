@@ -292,8 +292,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     result = measure_fulcrum(model_dir, kwargs, requests, show_progress=True)
     print(result.summary("fulcrum"))
     if args.save_result:
+        from fulcrum.bench.report import machine_facts
+
         _write_json(args.save_result, {"model": name, "args": _run_args(args),
-                                       "result": result.as_dict()})
+                                       "machine": machine_facts(), "result": result.as_dict()})
     return 0
 
 

@@ -112,6 +112,24 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
             "weight_bytes": float(weight_bytes)}
 
 
+def workload_flops(model: Any, prompt_lens: Sequence[int],
+                   output_lens: Sequence[int]) -> float:
+    """FLOPs a whole generation must do, no prompt token found cached: every token but a
+    request's last output passes through the decoder stack (2 FLOPs per weight), each output
+    token comes from one row of the LM head, and the token at position t attends to t + 1
+    keys (4 FLOPs per key and query dim, scores and values)."""
+    spec = model.spec
+    linears = {name: m.in_features * m.out_features for name, m in model.named_modules()
+               if hasattr(m, "out_features")}
+    head = linears.pop("lm_head")
+    body, per_key = sum(linears.values()), 4.0 * spec.num_layers * spec.num_heads * spec.head_dim
+    flops = 0.0
+    for prompt, output in zip(prompt_lens, output_lens):
+        tokens = prompt + output - 1
+        flops += 2.0 * body * tokens + 2.0 * head * output + per_key * tokens * (tokens + 1) / 2
+    return flops
+
+
 def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,
                  runs: int, rng: np.random.Generator,
                  probe: Optional[BandwidthProbe] = None) -> List[StepStats]:

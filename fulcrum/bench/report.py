@@ -353,6 +353,16 @@ def vllm_version() -> Optional[str]:
     return found.stdout.strip() or "unknown"
 
 
+def results_name(script: str, doc: str, default: str) -> Tuple[str, str]:
+    """A benchmark script's results stem (`--name`, so each kind of machine keeps its own
+    files under benchmarks/results) and the command that regenerates them."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--name", default=default,
+                        help="results/<name>.json and .md (keep each machine's apart)")
+    stem = parser.parse_args().name
+    return stem, f"python benchmarks/{script}" + ("" if stem == default else f" --name {stem}")
+
+
 def machine_facts() -> Dict[str, Any]:
     import torch
 

@@ -28,6 +28,10 @@ class ThroughputResult:
     output_tokens: int
     elapsed_s: float
     peak_rss_mib: float
+    # The compute roofline (fulcrum only; 0: not measured): the FLOPs the workload must do,
+    # and the best matrix rate of the engine's own kernel, measured in the same run.
+    flops: float = 0.0
+    matrix_peak_flops: float = 0.0
 
     @property
     def requests_per_s(self) -> float:
@@ -41,16 +45,33 @@ class ThroughputResult:
     def total_tokens_per_s(self) -> float:
         return (self.input_tokens + self.output_tokens) / self.elapsed_s
 
+    @property
+    def roofline_s(self) -> float:
+        """The time the workload's FLOPs take at the matrix peak (memory is not the bound
+        of batched work; a lone decode's roofline is `fulcrum bench latency`'s)."""
+        return self.flops / self.matrix_peak_flops if self.matrix_peak_flops else 0.0
+
+    @property
+    def share_of_roofline(self) -> float:
+        return self.roofline_s / self.elapsed_s
+
     def as_dict(self) -> Dict[str, float]:
         return {**asdict(self), "requests_per_s": self.requests_per_s,
                 "output_tokens_per_s": self.output_tokens_per_s,
-                "total_tokens_per_s": self.total_tokens_per_s}
+                "total_tokens_per_s": self.total_tokens_per_s,
+                "roofline_s": self.roofline_s, "share_of_roofline": self.share_of_roofline}
 
     def summary(self, name: str) -> str:
-        return (f"{name}: {self.elapsed_s:.2f} s, {self.requests_per_s:.2f} requests/s, "
+        line = (f"{name}: {self.elapsed_s:.2f} s, {self.requests_per_s:.2f} requests/s, "
                 f"{self.output_tokens_per_s:.1f} output tokens/s, "
                 f"{self.total_tokens_per_s:.1f} total tokens/s, peak RSS "
                 f"{self.peak_rss_mib:.0f} MiB")
+        if not self.roofline_s:
+            return line
+        return (f"{line}\n  roofline: {self.flops / 1e12:.2f} TFLOP at this machine's matrix "
+                f"peak ({self.matrix_peak_flops / 1e9:.0f} GFLOP/s, the engine's own kernel, "
+                f"measured around the run) take {self.roofline_s:.2f} s: "
+                f"{100 * self.share_of_roofline:.0f}% of the roofline")
 
 
 def peak_rss_mib() -> float:
@@ -60,19 +81,31 @@ def peak_rss_mib() -> float:
 
 def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
                     requests: List[SampleRequest], show_progress: bool = False) -> ThroughputResult:
-    """Greedy, EOS ignored: every request yields exactly its output length."""
+    """Greedy, EOS ignored: every request yields exactly its output length. On one rank,
+    the roofline too: the matrix peak is measured before and after the run, the better kept
+    (a noisy neighbour in one measurement must not lower the bound the run is judged
+    against); under tensor parallelism this process holds one shard, so none is given."""
+    from fulcrum.bench.latency import measure_peak_flops, workload_flops
     from fulcrum.llm import LLM
 
     llm = LLM(model_dir, **engine_kwargs)
+    engine = llm.llm_engine
+    model = engine.runner.model if engine.config.tensor_parallel_size == 1 else None
+    peak = measure_peak_flops(model, engine.dtype) if model is not None else 0.0
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
               for r in requests]
     start = time.perf_counter()
     outputs = llm.generate([r.engine_prompt() for r in requests], params,
                            use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
-    return ThroughputResult(len(requests), sum(len(o.prompt_token_ids) for o in outputs),
-                            sum(len(o.outputs[0].token_ids) for o in outputs), elapsed,
-                            peak_rss_mib())
+    prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    output_lens = [len(o.outputs[0].token_ids) for o in outputs]
+    result = ThroughputResult(len(requests), sum(prompt_lens), sum(output_lens), elapsed,
+                              peak_rss_mib())
+    if model is not None:
+        result.flops = workload_flops(model, prompt_lens, output_lens)
+        result.matrix_peak_flops = max(peak, measure_peak_flops(model, engine.dtype))
+    return result
 
 
 def measure_step_overhead(model_dir: str, engine_kwargs: Dict[str, Any],
