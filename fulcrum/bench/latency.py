@@ -83,13 +83,17 @@ def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> floa
     a step's matrix work can do, in the model's number format (int8 products have a rate of
     their own, not always bf16's). Best of `repeats`."""
     layer = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
-    rows = torch.randn(512, layer.in_features, dtype=dtype)
+    device = next(model.parameters()).device
+    rows = torch.randn(512, layer.in_features, dtype=dtype, device=device)
+    done = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     best = float("inf")
     with torch.inference_mode():
         layer(rows)
         for _ in range(repeats):
+            done()
             start = time.perf_counter()
             layer(rows)
+            done()
             best = min(best, time.perf_counter() - start)
     return 2.0 * 512 * layer.in_features * layer.out_features / best
 
