@@ -6,7 +6,7 @@ run in a fresh process. The roofline of a run is the FLOPs the workload must do
 (`fulcrum.bench.latency.workload_flops`: every computed token through the stack, one LM-head
 row per output token, causal attention) at the matrix peak of the engine's own kernel,
 measured before and after that run (the better kept). Medians over rounds: a run's share
-moves by 10 points with the shared machine's drift.
+moves by up to 20 points with the matrix peak measured around it.
 
     python benchmarks/throughput_roofline.py        # results/throughput_roofline.{json,md}
     python benchmarks/throughput_roofline.py --name throughput_roofline-avx2   # another machine

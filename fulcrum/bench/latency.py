@@ -99,10 +99,21 @@ def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> floa
 
 
 # ----------------------------------------------------------------- a step's work
+def _linears(model: Any) -> Dict[str, Any]:
+    """The model's linear layers, the LM head included, by name."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "out_features")}
+
+
+def _flops_per_key(spec: Any) -> float:
+    """One query token against one key in every layer: scores and values, 2 FLOPs per
+    multiply-add."""
+    return 4.0 * spec.num_layers * spec.num_heads * spec.head_dim
+
+
 def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
     """Bytes a decode step must read and FLOPs it must do, `batch` requests at `context`."""
     model, spec = engine.runner.model, engine.runner.model.spec
-    linears = [m for m in model.modules() if hasattr(m, "out_features")]
+    linears = list(_linears(model).values())
     weight_params = sum(m.in_features * m.out_features for m in linears)
     # int8 layers hold a byte a weight (their scales are negligible), the rest the dtype's
     weight_bytes = sum(m.in_features * m.out_features * (
@@ -110,8 +121,7 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
         for m in linears)
     kv_bytes = (batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
                 * torch.finfo(engine.kv_cache_dtype).bits // 8)
-    flops = 2.0 * weight_params * batch + 4.0 * batch * context * spec.num_layers \
-        * spec.num_heads * spec.head_dim
+    flops = 2.0 * weight_params * batch + batch * context * _flops_per_key(spec)
     return {"bytes": float(weight_bytes + kv_bytes), "flops": flops,
             "weight_bytes": float(weight_bytes)}
 
@@ -122,11 +132,9 @@ def workload_flops(model: Any, prompt_lens: Sequence[int],
     request's last output passes through the decoder stack (2 FLOPs per weight), each output
     token comes from one row of the LM head, and the token at position t attends to t + 1
     keys (4 FLOPs per key and query dim, scores and values)."""
-    spec = model.spec
-    linears = {name: m.in_features * m.out_features for name, m in model.named_modules()
-               if hasattr(m, "out_features")}
-    head = linears.pop("lm_head")
-    body, per_key = sum(linears.values()), 4.0 * spec.num_layers * spec.num_heads * spec.head_dim
+    weights = {name: m.in_features * m.out_features for name, m in _linears(model).items()}
+    head = weights.pop("lm_head")
+    body, per_key = sum(weights.values()), _flops_per_key(model.spec)
     flops = 0.0
     for prompt, output in zip(prompt_lens, output_lens):
         tokens = prompt + output - 1
