@@ -463,37 +463,60 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
 #pragma GCC unroll 2
           for (int half = 0; half < 2; ++half)
             block_scores[c][half] = _mm256_add_ps(scores[c][half][0], scores[c][half][1]);
+        // Both vectors' softmax updates first, then both value products: each update is a
+        // long dependent chain (a maximum, exponentials, a sum) that the value products
+        // must wait for; one after the other, the two chains overlap (prefill chunks were
+        // measurably faster on a Zen 3 EPYC, with the two changes below).
+        alignas(32) float p[2][kBlock];
+        float tile_max[2], shift[2] = {0.f, 0.f}, block_sum[2];
+        bool live[2] = {false, false};
         for (int c = 0; c < pair; ++c) {
           const int i = i0 + c;
           const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
           if (!visible) continue;
-          const __m256 seen[2] = {lanes(visible, low_bits), lanes(visible, high_bits)};
-          __m256 s[2];
-          for (int half = 0; half < 2; ++half)
-            s[half] = _mm256_blendv_ps(floor, block_scores[c][half], seen[half]);
-          const float tile_max =
-              std::max(running_max[i], fulcrum::max_of(_mm256_max_ps(s[0], s[1])));
-          alignas(32) float p[kBlock];
+          live[c] = true;
+          __m256 s[2] = {block_scores[c][0], block_scores[c][1]};
+          const bool full = visible == 0xFFFFu;  // no mask: most blocks of a prefill
+          __m256 seen[2];
+          if (!full) {
+            seen[0] = lanes(visible, low_bits);
+            seen[1] = lanes(visible, high_bits);
+            for (int half = 0; half < 2; ++half)
+              s[half] = _mm256_blendv_ps(floor, s[half], seen[half]);
+          }
+          tile_max[c] = std::max(running_max[i], fulcrum::max_of(_mm256_max_ps(s[0], s[1])));
+          shift[c] = running_max[i] - tile_max[c];
           __m256 total = _mm256_setzero_ps();
           for (int half = 0; half < 2; ++half) {
-            const __m256 weight = _mm256_and_ps(
-                fulcrum::exp256(_mm256_sub_ps(s[half], _mm256_set1_ps(tile_max))), seen[half]);
-            _mm256_store_ps(p + 8 * half, weight);
+            __m256 weight =
+                fulcrum::exp256(_mm256_sub_ps(s[half], _mm256_set1_ps(tile_max[c])));
+            if (!full) weight = _mm256_and_ps(weight, seen[half]);
+            _mm256_store_ps(p[c] + 8 * half, weight);
             total = _mm256_add_ps(total, weight);
           }
-          const float correction = std::exp(running_max[i] - tile_max);
-          running_max[i] = tile_max;
-          running_sum[i] = running_sum[i] * correction + fulcrum::sum_of(total);
+          block_sum[c] = fulcrum::sum_of(total);
+        }
+        // Both rescale factors in one vector exponential: a call to libm's would spill every
+        // vector register.
+        alignas(32) float correction[8];
+        _mm256_store_ps(correction,
+                        fulcrum::exp256(_mm256_setr_ps(shift[0], shift[1], 0, 0, 0, 0, 0, 0)));
+        for (int c = 0; c < pair; ++c) {
+          if (!live[c]) continue;
+          const int i = i0 + c;
+          running_max[i] = tile_max[c];
+          running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
           // kGroup output vectors at a time stay in registers over the block's token pairs.
           constexpr int kGroup = kVecs < 8 ? kVecs : 8;
           for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
             __m256 sum[kGroup];
             for (int v = 0; v < kGroup; ++v)
               sum[v] = _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * (v0 + v)),
-                                     _mm256_set1_ps(correction));
+                                     _mm256_set1_ps(correction[c]));
             for (int tp = 0; tp < kBlock / 2; ++tp) {
               if (!(used >> (2 * tp) & 3u)) continue;
-              const __m256 p0 = _mm256_set1_ps(p[2 * tp]), p1 = _mm256_set1_ps(p[2 * tp + 1]);
+              const __m256 p0 = _mm256_set1_ps(p[c][2 * tp]);
+              const __m256 p1 = _mm256_set1_ps(p[c][2 * tp + 1]);
               const uint16_t* pairs = values + tp * kDim * 2;
               for (int v = 0; v < kGroup; ++v) {
                 const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
