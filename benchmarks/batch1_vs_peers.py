@@ -77,7 +77,7 @@ def round_tpot(kind: str, flags: list, model: str) -> float:
 
 
 def main() -> None:
-    stem, command = results_name("batch1_vs_peers.py", __doc__, "batch1_vs_peers")
+    stem, command, _ = results_name("batch1_vs_peers.py", __doc__, "batch1_vs_peers")
     model = shape_dir("smollm2-135m")
     versions = {"vLLM": vllm_version(), "llama.cpp": llama_cpp_version()}  # None: not installed
     engines = dict(ENGINES)

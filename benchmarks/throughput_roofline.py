@@ -31,7 +31,8 @@ WEIGHTS = {"bfloat16": {}, "int8": {"quantization": "int8"}}
 
 
 def main() -> None:
-    stem, command = results_name("throughput_roofline.py", __doc__, "throughput_roofline")
+    stem, command, _ = results_name("throughput_roofline.py", __doc__,
+                                    "throughput_roofline")
     model = shape_dir("smollm2-135m")
     requests = random_requests(NUM_PROMPTS, PROMPT, OUTPUT, 0.0, np.random.default_rng(0))
     runs = {name: [] for name in WEIGHTS}

@@ -164,3 +164,20 @@ def test_peers_not_installed_drop_out_with_a_note(tmp_path, monkeypatch):
     assert engines == ["fulcrum", "llamacpp-q8"] and peers["llama_cpp_note"] is None
     assert peers["llama_cpp_version"] == "vendored in llama-cpp-python 0.3.36"
     assert peers["vllm_version"] is None  # not asked for: not named on the page
+
+
+def test_results_name_gives_the_stem_the_exact_command_and_the_scripts_own_options(
+        monkeypatch):
+    """A benchmark script's results file, and the command its page quotes to regenerate it:
+    what was typed, the script's own options included."""
+    from fulcrum.bench.report import results_name
+
+    def options(parser):
+        parser.add_argument("--base", required=True)
+
+    monkeypatch.setattr("sys.argv", ["x.py", "--base", "HEAD~1", "--name", "x-avx2"])
+    stem, command, args = results_name("x.py", "Doc.\n\nMore.", "x", options)
+    assert (stem, args.base) == ("x-avx2", "HEAD~1")
+    assert command == "python benchmarks/x.py --base 'HEAD~1' --name x-avx2"
+    monkeypatch.setattr("sys.argv", ["x.py"])
+    assert results_name("x.py", "Doc.", "x")[:2] == ("x", "python benchmarks/x.py")

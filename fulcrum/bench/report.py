@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -353,14 +353,20 @@ def vllm_version() -> Optional[str]:
     return found.stdout.strip() or "unknown"
 
 
-def results_name(script: str, doc: str, default: str) -> Tuple[str, str]:
+def results_name(script: str, doc: str, default: str,
+                 options: Optional[Callable[[argparse.ArgumentParser], Any]] = None
+                 ) -> Tuple[str, str, argparse.Namespace]:
     """A benchmark script's results stem (`--name`, so each kind of machine keeps its own
-    files under benchmarks/results) and the command that regenerates them."""
+    files under benchmarks/results), the command that regenerates them, and its arguments
+    (`options` adds the script's own to the parser)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--name", default=default,
                         help="results/<name>.json and .md (keep each machine's apart)")
-    stem = parser.parse_args().name
-    return stem, f"python benchmarks/{script}" + ("" if stem == default else f" --name {stem}")
+    if options is not None:
+        options(parser)
+    args = parser.parse_args()
+    command = " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, sys.argv[1:])])
+    return args.name, command, args
 
 
 def machine_facts() -> Dict[str, Any]:
