@@ -46,8 +46,12 @@ Kernel = Callable[..., int]
 
 
 def build(sources: Path, out: Path) -> Kernel:
-    """paged_attention.cpp in `sources` (beside its headers), compiled and loaded."""
-    subprocess.run(["g++", *kernels.FLAGS, str(sources / "paged_attention.cpp"), "-o", str(out)],
+    """paged_attention.cpp in `sources` (beside its headers), compiled as the engine compiles
+    it and loaded (not through the engine's cache, whose key is this tree's headers)."""
+    found = kernels.compiler()
+    if found is None:
+        raise SystemExit("no C++ compiler found ($CXX, else g++)")
+    subprocess.run([found, *kernels.FLAGS, str(sources / "paged_attention.cpp"), "-o", str(out)],
                    check=True)
     function = ctypes.CDLL(str(out)).paged_varlen_attention_bf16
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

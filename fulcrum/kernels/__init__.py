@@ -72,17 +72,22 @@ def _build(source: Path, compiler: str) -> Path:
     return target
 
 
+def compiler() -> Optional[str]:
+    """The C++ compiler the kernels are built with ($CXX, else g++), or None if not found."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
 @functools.lru_cache(maxsize=None)
 def _library(name: str) -> Optional[ctypes.CDLL]:
     """The compiled kernels/<name>.cpp, or None (disabled, no compiler, build failed)."""
     if os.environ.get("FULCRUM_DISABLE_KERNELS") == "1":
         return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
+    found = compiler()
+    if found is None:
         logger.warning("no C++ compiler found: using torch for %s", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(KERNEL_DIR / f"{name}.cpp", compiler)))
+        return ctypes.CDLL(str(_build(KERNEL_DIR / f"{name}.cpp", found)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("could not build the CPU kernel %s (%s): using torch", name, detail)

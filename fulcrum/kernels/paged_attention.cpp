@@ -497,7 +497,8 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           block_sum[c] = fulcrum::sum_of(total);
         }
         // Both rescale factors in one vector exponential: a call to libm's would spill every
-        // vector register.
+        // vector register. (Its clamp at e^-87 leaves a first block's factor above 0, but
+        // what that factor scales is still all zeros.)
         alignas(32) float correction[8];
         _mm256_store_ps(correction,
                         fulcrum::exp256(_mm256_setr_ps(shift[0], shift[1], 0, 0, 0, 0, 0, 0)));
