@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -174,14 +175,99 @@ inline unsigned visible_tokens(int64_t b, int64_t len, int window) {
 }
 
 #if defined(FULCRUM_VARLEN_AVX512)
-// bf16 queries over a bf16 cache with 16-token blocks: the common serving case, on
-// vdpbf16ps (pairs of bf16 products accumulated in fp32). Per block, keys and values are
-// first rearranged into (dim, dim+1) and (token, token+1) pairs in a stack tile, so each
-// query head of the group then needs one dot-product instruction per 16 scores or 16
-// output dims. Probabilities are rounded to bf16 for the value product, as FlashAttention
-// does on GPUs; the softmax itself is fp32.
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
+// The next span's tiles, fetched a few lines per step of the score loops: blocks sit anywhere
+// in the cache, beyond the hardware prefetcher's guess, and one burst of the whole span (a
+// decode's 768 lines) stalls on the miss buffers. Into L2: on a Zen 4 EPYC, spread L2
+// prefetches made decodes 0.80-0.94x the time of the burst; L1 ones made them slower.
+struct SpanPrefetch {
+  static constexpr int kLinesPerStep = 8;
+  const char* tiles[8];  // up to 4 blocks x (keys, values), `bytes` each
+  int count = 0, next = 0;
+  int64_t bytes = 0;
+  const char* line = nullptr;
+  const char* end = nullptr;
+
+  void step() {
+    if (line >= end) {
+      if (next == count) return;
+      line = tiles[next++];
+      end = line + bytes;
+    }
+    for (int k = 0; k < kLinesPerStep; ++k) _mm_prefetch(line + 64 * k, _MM_HINT_T1);
+    line += 64 * kLinesPerStep;
+  }
+};
+
+// kChunk query vectors' scores against a span of kSpan blocks: kChunk x kSpan independent
+// dot-product chains, each broadcast query pair feeding kSpan of them. Its own function, so
+// that the chains stay registers: inlined into the kernel, which reads the scores at run-time
+// indices, GCC kept them in memory too, a store per dot product (twice the time of a prefill
+// chunk, after an unrelated change to the kernel).
+template <int kChunk, int kSpan, int kDimPairs>
+__attribute__((noinline)) void score_span(const __m512i* const* key_pairs,
+                                          const int32_t* const* query,
+                                          __m512 (&out)[kChunk][kSpan], SpanPrefetch& ahead) {
+  __m512 scores[kChunk][kSpan];
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunk; ++c)
+#pragma GCC unroll 4
+    for (int j = 0; j < kSpan; ++j) scores[c][j] = _mm512_setzero_ps();
+  for (int dp = 0; dp < kDimPairs; ++dp) {
+    ahead.step();
+    __m512bh keys[kSpan];
+#pragma GCC unroll 4
+    for (int j = 0; j < kSpan; ++j) keys[j] = as_bh(_mm512_loadu_si512(key_pairs[j] + dp));
+#pragma GCC unroll 4
+    for (int c = 0; c < kChunk; ++c) {
+      const __m512bh query_pair = as_bh(_mm512_set1_epi32(query[c][dp]));
+#pragma GCC unroll 4
+      for (int j = 0; j < kSpan; ++j)
+        scores[c][j] = _mm512_dpbf16_ps(scores[c][j], query_pair, keys[j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunk; ++c)
+#pragma GCC unroll 4
+    for (int j = 0; j < kSpan; ++j) out[c][j] = scores[c][j];
+}
+
+// kChunk query vectors' outputs += their weights (bf16 pairs) times a span's value pairs, over
+// the token pairs some row sees. Its own function for the reason score_span is: inlined, the
+// outputs (read at run-time indices elsewhere) were stored on every token pair.
+template <int kChunk, int kSpan, int kVecs>
+__attribute__((noinline)) void add_values(__m512 (*acc)[kVecs],
+                                          const int32_t (&p_pairs)[kChunk][kSpan][8],
+                                          const __m512i (&value_pairs)[kSpan][8][kVecs],
+                                          int span, const int* first_pair, const int* end_pair) {
+  __m512 sum[kChunk][kVecs];
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunk; ++c)
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) sum[c][v] = acc[c][v];
+  for (int j = 0; j < span; ++j) {
+    for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kChunk; ++c) {
+        const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][j][tp]));
+#pragma GCC unroll 16
+        for (int v = 0; v < kVecs; ++v)
+          sum[c][v] = _mm512_dpbf16_ps(sum[c][v], weight, as_bh(value_pairs[j][tp][v]));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunk; ++c)
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) acc[c][v] = sum[c][v];
+}
+
+// bf16 queries over a bf16 cache with 16-token blocks: the common serving case, on
+// vdpbf16ps (pairs of bf16 products accumulated in fp32). The cache holds keys and values
+// as (dim, dim+1) and (token, token+1) pairs, so each query head of the group needs one
+// dot-product instruction per 16 scores or 16 output dims. Probabilities are rounded to bf16
+// for the value product, as FlashAttention does on GPUs; the softmax itself is fp32.
 template <int kDim, int kChunk>
 void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                          const uint16_t* k_cache, const uint16_t* v_cache,
@@ -190,6 +276,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
                          int window, float* partial) {
   constexpr int kBlock = 16;
   constexpr int kSpan = 4;  // blocks scored together: 64 keys per softmax update
+  static_assert(2 * kSpan <= std::size(SpanPrefetch{}.tiles), "the next span's tiles");
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
   constexpr int kTile = kDim * kBlock;  // bf16 values of one block and head
@@ -242,16 +329,11 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       first_pair[j] = used[j] ? __builtin_ctz(used[j]) / 2 : 0;
       end_pair[j] = used[j] ? (16 - __builtin_clz(used[j] << 16) + 1) / 2 : 0;
     }
-    // Blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: fetch the
-    // next span (into L2: as many lines in flight as that allows, where an L1 prefetch of a
-    // whole block stalls on the fill buffers).
-    for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b) {
-      for (const uint16_t* cache : {k_cache, v_cache}) {
-        const char* next = reinterpret_cast<const char*>(tile(cache, b, kv_head));
-        for (int line = 0; line < heads * kTile * 2; line += 64)
-          _mm_prefetch(next + line, _MM_HINT_T1);
-      }
-    }
+    SpanPrefetch ahead;
+    ahead.bytes = int64_t{heads} * kTile * 2;
+    for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b)
+      for (const uint16_t* cache : {k_cache, v_cache})
+        ahead.tiles[ahead.count++] = reinterpret_cast<const char*>(tile(cache, b, kv_head));
     for (int h = 0; h < heads; ++h) {
       const __m512i* key_pairs[kSpan];
       for (int j = 0; j < kSpan; ++j) {
@@ -281,19 +363,10 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           for (int j = 0; j < kSpan; ++j) {
             valid[c][j] = i0 + c < head_end ? row_masks[j][row_of[i]] : 0;
             any_valid |= valid[c][j];
-            scores[c][j] = _mm512_setzero_ps();
           }
         }
         if (!any_valid) continue;
-        for (int dp = 0; dp < kDimPairs; ++dp) {
-          __m512bh keys[kSpan];
-          for (int j = 0; j < kSpan; ++j) keys[j] = as_bh(_mm512_loadu_si512(key_pairs[j] + dp));
-          for (int c = 0; c < kChunk; ++c) {
-            const __m512bh query_pair = as_bh(_mm512_set1_epi32(query[c][dp]));
-            for (int j = 0; j < kSpan; ++j)
-              scores[c][j] = _mm512_dpbf16_ps(scores[c][j], query_pair, keys[j]);
-          }
-        }
+        score_span<kChunk, kSpan, kDimPairs>(key_pairs, query, scores, ahead);
         alignas(64) int32_t p_pairs[kChunk][kSpan][kBlock / 2];
         for (int c = 0; c < kChunk; ++c) {
           const int i = i0 + c;  // >= head_end: a padding lane, valid[c] all 0
@@ -328,16 +401,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           }
           running_sum[i] = _mm512_add_ps(running_sum[i], span_sum);
         }
-        for (int j = 0; j < span; ++j) {
-          for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
-            for (int c = 0; c < kChunk; ++c) {
-              const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][j][tp]));
-              for (int v = 0; v < kVecs; ++v)
-                acc[i0 + c][v] = _mm512_dpbf16_ps(acc[i0 + c][v], weight,
-                                                  as_bh(value_pairs[j][tp][v]));
-            }
-          }
-        }
+        add_values<kChunk, kSpan, kVecs>(acc + i0, p_pairs, value_pairs, span, first_pair,
+                                         end_pair);
       }
     }
   }
