@@ -234,13 +234,16 @@ __attribute__((noinline)) void score_span(const __m512i* const* key_pairs,
 }
 
 // kChunk query vectors' outputs += their weights (bf16 pairs) times a span's value pairs, over
-// the token pairs some row sees. Its own function for the reason score_span is: inlined, the
-// outputs (read at run-time indices elsewhere) were stored on every token pair.
+// the token pairs some row sees, read from the cache where they are: `pair_masks` zero the
+// unwritten slots (which may hold NaN). Its own function for the reason score_span is:
+// inlined, the outputs (read at run-time indices elsewhere) were stored on every token pair.
 template <int kChunk, int kSpan, int kVecs>
 __attribute__((noinline)) void add_values(__m512 (*acc)[kVecs],
                                           const int32_t (&p_pairs)[kChunk][kSpan][8],
-                                          const __m512i (&value_pairs)[kSpan][8][kVecs],
-                                          int span, const int* first_pair, const int* end_pair) {
+                                          const uint16_t* const* values,
+                                          const __mmask32 (&pair_masks)[kSpan][8], int span,
+                                          const int* first_pair, const int* end_pair) {
+  constexpr int kDim = 16 * kVecs;
   __m512 sum[kChunk][kVecs];
 #pragma GCC unroll 4
   for (int c = 0; c < kChunk; ++c)
@@ -253,7 +256,8 @@ __attribute__((noinline)) void add_values(__m512 (*acc)[kVecs],
         const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][j][tp]));
 #pragma GCC unroll 16
         for (int v = 0; v < kVecs; ++v)
-          sum[c][v] = _mm512_dpbf16_ps(sum[c][v], weight, as_bh(value_pairs[j][tp][v]));
+          sum[c][v] = _mm512_dpbf16_ps(sum[c][v], weight, as_bh(_mm512_maskz_loadu_epi16(
+              pair_masks[j][tp], values[j] + (tp * kDim + 16 * v) * 2)));
       }
     }
   }
@@ -310,7 +314,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
   }
   const int64_t end_block = (last_len + kBlock - 1) / kBlock;
   __mmask16 row_masks[kSpan][kMaxVectors];
-  __m512i value_pairs[kSpan][kBlock / 2][kVecs];
+  __mmask32 pair_masks[kSpan][kBlock / 2];
   int first_pair[kSpan], end_pair[kSpan];
   unsigned used[kSpan];
   for (int64_t b0 = window_start(first_len, window) / kBlock; b0 < end_block;
@@ -325,9 +329,13 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
         for (int r = 0; r < rows; ++r) row_masks[j][r] = 0;
       }
       // Token pairs that some row sees; slots outside may be unwritten (NaN), so their
-      // values are loaded as zeros, once per block and head.
+      // values are loaded as zeros.
       first_pair[j] = used[j] ? __builtin_ctz(used[j]) / 2 : 0;
       end_pair[j] = used[j] ? (16 - __builtin_clz(used[j] << 16) + 1) / 2 : 0;
+      for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
+        const unsigned pair = (used[j] >> (2 * tp)) & 3u;
+        pair_masks[j][tp] = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
+      }
     }
     SpanPrefetch ahead;
     ahead.bytes = int64_t{heads} * kTile * 2;
@@ -336,18 +344,12 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
         ahead.tiles[ahead.count++] = reinterpret_cast<const char*>(tile(cache, b, kv_head));
     for (int h = 0; h < heads; ++h) {
       const __m512i* key_pairs[kSpan];
+      const uint16_t* values[kSpan];
       for (int j = 0; j < kSpan; ++j) {
         // A span's missing blocks score the first block again, masked out below.
         key_pairs[j] = reinterpret_cast<const __m512i*>(
             tile(k_cache, b0 + (j < span ? j : 0), kv_head + h));
-        const uint16_t* values = tile(v_cache, b0 + (j < span ? j : 0), kv_head + h);
-        for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
-          const unsigned pair = (used[j] >> (2 * tp)) & 3u;
-          const __mmask32 load = (pair & 1u ? 0x55555555u : 0u) | (pair & 2u ? 0xAAAAAAAAu : 0u);
-          for (int v = 0; v < kVecs; ++v)
-            value_pairs[j][tp][v] =
-                _mm512_maskz_loadu_epi16(load, values + (tp * kDim + 16 * v) * 2);
-        }
+        values[j] = tile(v_cache, b0 + (j < span ? j : 0), kv_head + h);
       }
       // Query vectors kChunk at a time against the span's kSpan blocks: kChunk x kSpan
       // independent dot-product chains, and each broadcast query pair feeds kSpan of them.
@@ -401,8 +403,8 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           }
           running_sum[i] = _mm512_add_ps(running_sum[i], span_sum);
         }
-        add_values<kChunk, kSpan, kVecs>(acc + i0, p_pairs, value_pairs, span, first_pair,
-                                         end_pair);
+        add_values<kChunk, kSpan, kVecs>(acc + i0, p_pairs, values, pair_masks, span,
+                                         first_pair, end_pair);
       }
     }
   }
