@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.bench.latency import measure, step_work, summary, workload_flops
+from fulcrum.bench.latency import (kernel_roofline_s, measure, step_work, summary,
+                                   workload_flops)
+from fulcrum.sampling_params import SamplingParams
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
 
@@ -72,9 +74,6 @@ def test_measure_times_full_batch_decode_steps(engine, llama_dir):
                for line in lines) == 4
 
 
-
-
-
 def test_a_run_without_a_whole_batch_step_says_why(llama_dir):
     """One 16-token prompt chunk a step: the first request decodes its 6 tokens while the
     other prompts are still being prefilled, so no step decodes all 8; the bench says so
@@ -102,3 +101,31 @@ def test_workload_flops_counts_each_computed_token_once(engine, llama_dir):
     expected = (2 * body * (8 + 3) + 2 * hidden * config["vocab_size"] * (4 + 1)
                 + per_key * (sum(range(1, 9)) + sum(range(1, 4))))
     assert workload_flops(engine.runner.model, [5, 3], [4, 1]) == expected
+
+
+def test_kernel_roofline_judges_each_step_by_compute_or_memory(engine):
+    """Two 5-token prompts making 4 tokens each, fcfs: one step prefills both (10 rows, no
+    decode, so no LM head), then 3 steps decode both. With the bandwidth unbounded the bound
+    is the FLOPs at the peak, the LM head's rows for the prompts' first tokens left out; with
+    the peak unbounded it is reading the weights once a step (the LM head in the 3 decode
+    steps only) and each decode's KV cache: positions 5, 6, 7 attend to 6 + 7 + 8 keys."""
+    first = len(engine.stats)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"roofline-{i}", {"prompt_token_ids": [1, 2, 3, 4, 5]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    steps = list(engine.stats)[first:]
+    assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == \
+        [(10, 0)] + [(0, 2)] * 3
+    model, spec = engine.runner.model, engine.runner.model.spec
+    head_params = spec.hidden_size * spec.vocab_size
+    flops = workload_flops(model, [5, 5], [4, 4]) - 2 * 2 * head_params
+    peak = 1e9
+    assert kernel_roofline_s(engine, [5, 5], [4, 4], steps, peak, float("inf")) == \
+        pytest.approx(flops / peak, rel=1e-12)
+    weights = step_work(engine, 1, 0)["weight_bytes"]  # float32, the LM head included
+    kv_per_key = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    read = 4 * (weights - 4 * head_params) + 3 * 4 * head_params + 2 * 21 * kv_per_key
+    assert kernel_roofline_s(engine, [5, 5], [4, 4], steps, float("inf"), 1e9) == \
+        pytest.approx(read / 1e9, rel=1e-12)

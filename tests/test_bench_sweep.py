@@ -61,7 +61,13 @@ def test_throughput_command(llama_dir, tmp_path, capsys):
     assert result["matrix_peak_flops"] > 0
     assert result["roofline_s"] == result["flops"] / result["matrix_peak_flops"]
     assert result["share_of_roofline"] == result["roofline_s"] / result["elapsed_s"]
-    assert "% of the roofline" in capsys.readouterr().out
+    # kernel by kernel: at least the FLOPs but the LM head's rows for the prompts' first tokens
+    head = model.spec.hidden_size * model.spec.vocab_size
+    least = (result["flops"] - 2 * head * 3) / result["matrix_peak_flops"]
+    assert result["bandwidth"] > 0 and result["kernel_roofline_s"] >= least * (1 - 1e-12)
+    assert result["share_of_kernel_roofline"] == result["kernel_roofline_s"] / result["elapsed_s"]
+    out = capsys.readouterr().out
+    assert "% of the roofline" in out and "kernel by kernel, memory-bound work at" in out
 
 
 def test_fulcrum_and_hf_produce_the_same_token_counts(llama_dir, tmp_path):

@@ -110,17 +110,27 @@ def _flops_per_key(spec: Any) -> float:
     return 4.0 * spec.num_layers * spec.num_heads * spec.head_dim
 
 
+def _weight_bytes(engine: LLMEngine, linear: Any) -> int:
+    """int8 layers hold a byte a weight (their scales are negligible), the rest the dtype's."""
+    width = 1 if getattr(linear, "scale", None) is not None else \
+        torch.finfo(engine.dtype).bits // 8
+    return linear.in_features * linear.out_features * width
+
+
+def _kv_bytes_per_key(engine: LLMEngine) -> int:
+    """The KV cache one token holds over all layers, which every query attending to it reads."""
+    spec = engine.runner.model.spec
+    return (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+            * torch.finfo(engine.kv_cache_dtype).bits // 8)
+
+
 def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
     """Bytes a decode step must read and FLOPs it must do, `batch` requests at `context`."""
     model, spec = engine.runner.model, engine.runner.model.spec
     linears = list(_linears(model).values())
     weight_params = sum(m.in_features * m.out_features for m in linears)
-    # int8 layers hold a byte a weight (their scales are negligible), the rest the dtype's
-    weight_bytes = sum(m.in_features * m.out_features * (
-        1 if getattr(m, "scale", None) is not None else torch.finfo(engine.dtype).bits // 8)
-        for m in linears)
-    kv_bytes = (batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
-                * torch.finfo(engine.kv_cache_dtype).bits // 8)
+    weight_bytes = sum(_weight_bytes(engine, m) for m in linears)
+    kv_bytes = batch * context * _kv_bytes_per_key(engine)
     flops = 2.0 * weight_params * batch + batch * context * _flops_per_key(spec)
     return {"bytes": float(weight_bytes + kv_bytes), "flops": flops,
             "weight_bytes": float(weight_bytes)}
@@ -140,6 +150,40 @@ def workload_flops(model: Any, prompt_lens: Sequence[int],
         tokens = prompt + output - 1
         flops += 2.0 * body * tokens + 2.0 * head * output + per_key * tokens * (tokens + 1) / 2
     return flops
+
+
+def kernel_roofline_s(engine: LLMEngine, prompt_lens: Sequence[int],
+                      output_lens: Sequence[int], steps: Sequence[StepStats], peak: float,
+                      bandwidth: float) -> float:
+    """The least time a whole generation can take on this machine, the roofline applied kernel
+    by kernel rather than to the workload's FLOPs alone: each step's linear layers take at
+    least max(their FLOPs at the matrix peak, one read of their weights at the bandwidth), the
+    prompt tokens' attention its FLOPs at the peak, and the decodes' attention at least the
+    time to read the KV cache each decode attends to (3 FLOPs a byte for a GQA group of 3,
+    far below the peak's FLOPs per byte of bandwidth). A batch of 64 is bound by compute, but
+    its decodes' attention and the batch's last steps, with few rows, are bound by memory:
+    a CPU whose matrix rate doubles (AVX512-BF16 against AVX2) makes those the larger part.
+    `steps` are the generation's steps; the LM head is counted in a step for its decodes
+    only, which keeps this a lower bound (a prompt's first token comes from it too)."""
+    linears = _linears(engine.runner.model)
+    head = linears.pop("lm_head")
+    body_params = sum(m.in_features * m.out_features for m in linears.values())
+    body_bytes = sum(_weight_bytes(engine, m) for m in linears.values())
+    head_params, head_bytes = head.in_features * head.out_features, _weight_bytes(engine, head)
+    linear_s = 0.0
+    for step in steps:
+        rows, sampled = step.num_prefill_tokens + step.num_decode_tokens, step.num_decode_tokens
+        if rows:
+            flops = 2.0 * (body_params * rows + head_params * sampled)
+            read = body_bytes + (head_bytes if sampled else 0)
+            linear_s += max(flops / peak, read / bandwidth)
+    prompt_keys = sum(p * (p + 1) / 2 for p in prompt_lens)
+    decode_keys = sum((p + o - 1) * (p + o) / 2 - p * (p + 1) / 2
+                      for p, o in zip(prompt_lens, output_lens))
+    per_key = _flops_per_key(engine.runner.model.spec)
+    decode_s = max(per_key * decode_keys / peak,
+                   _kv_bytes_per_key(engine) * decode_keys / bandwidth)
+    return linear_s + per_key * prompt_keys / peak + decode_s
 
 
 def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,

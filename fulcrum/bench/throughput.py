@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Tuple
 from fulcrum.bench.datasets import SampleRequest
 from fulcrum.sampling_params import SamplingParams
 
+PROBES = 5  # bandwidth readings in a set: it flips between levels within seconds
+
 
 @dataclass
 class ThroughputResult:
@@ -32,6 +34,10 @@ class ThroughputResult:
     # and the best matrix rate of the engine's own kernel, measured in the same run.
     flops: float = 0.0
     matrix_peak_flops: float = 0.0
+    # The roofline kernel by kernel (latency.kernel_roofline_s), which counts the work bound
+    # by memory too, at the best bandwidth probed around the run (bytes/s).
+    bandwidth: float = 0.0
+    kernel_roofline_s: float = 0.0
 
     @property
     def requests_per_s(self) -> float:
@@ -47,19 +53,24 @@ class ThroughputResult:
 
     @property
     def roofline_s(self) -> float:
-        """The time the workload's FLOPs take at the matrix peak (memory is not the bound
-        of batched work; a lone decode's roofline is `fulcrum bench latency`'s)."""
+        """The time the workload's FLOPs take at the matrix peak, as if no part of it were
+        bound by memory (the kernel-by-kernel roofline counts those parts)."""
         return self.flops / self.matrix_peak_flops if self.matrix_peak_flops else 0.0
 
     @property
     def share_of_roofline(self) -> float:
         return self.roofline_s / self.elapsed_s
 
+    @property
+    def share_of_kernel_roofline(self) -> float:
+        return self.kernel_roofline_s / self.elapsed_s
+
     def as_dict(self) -> Dict[str, float]:
         return {**asdict(self), "requests_per_s": self.requests_per_s,
                 "output_tokens_per_s": self.output_tokens_per_s,
                 "total_tokens_per_s": self.total_tokens_per_s,
-                "roofline_s": self.roofline_s, "share_of_roofline": self.share_of_roofline}
+                "roofline_s": self.roofline_s, "share_of_roofline": self.share_of_roofline,
+                "share_of_kernel_roofline": self.share_of_kernel_roofline}
 
     def summary(self, name: str) -> str:
         line = (f"{name}: {self.elapsed_s:.2f} s, {self.requests_per_s:.2f} requests/s, "
@@ -71,7 +82,9 @@ class ThroughputResult:
         return (f"{line}\n  roofline: {self.flops / 1e12:.2f} TFLOP at this machine's matrix "
                 f"peak ({self.matrix_peak_flops / 1e9:.0f} GFLOP/s, the engine's own kernel, "
                 f"measured around the run) take {self.roofline_s:.2f} s: "
-                f"{100 * self.share_of_roofline:.0f}% of the roofline")
+                f"{100 * self.share_of_roofline:.0f}% of the roofline\n  kernel by kernel, "
+                f"memory-bound work at {self.bandwidth / 1e9:.1f} GB/s: "
+                f"{self.kernel_roofline_s:.2f} s, {100 * self.share_of_kernel_roofline:.0f}%")
 
 
 def peak_rss_mib() -> float:
@@ -82,10 +95,12 @@ def peak_rss_mib() -> float:
 def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
                     requests: List[SampleRequest], show_progress: bool = False) -> ThroughputResult:
     """Greedy, EOS ignored: every request yields exactly its output length. On one rank,
-    the roofline too: the matrix peak is measured before and after the run, the better kept
-    (a noisy neighbour in one measurement must not lower the bound the run is judged
-    against); under tensor parallelism this process holds one shard, so none is given."""
-    from fulcrum.bench.latency import measure_peak_flops, workload_flops
+    the rooflines too: the matrix peak is measured before and after the run and the bandwidth
+    after it, with the matrix peak between two sets of readings, the best of each kept (a
+    noisy neighbour in one measurement must not lower the bound the run is judged against);
+    under tensor parallelism this process holds one shard, so none is given."""
+    from fulcrum.bench.latency import (BandwidthProbe, kernel_roofline_s, measure_peak_flops,
+                                       workload_flops)
     from fulcrum.llm import LLM
 
     llm = LLM(model_dir, **engine_kwargs)
@@ -94,6 +109,7 @@ def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
     peak = measure_peak_flops(model, engine.dtype) if model is not None else 0.0
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
               for r in requests]
+    first_step = len(engine.stats)
     start = time.perf_counter()
     outputs = llm.generate([r.engine_prompt() for r in requests], params,
                            use_tqdm=show_progress)
@@ -103,8 +119,18 @@ def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
     result = ThroughputResult(len(requests), sum(prompt_lens), sum(output_lens), elapsed,
                               peak_rss_mib())
     if model is not None:
+        steps = list(engine.stats)[first_step:]
         result.flops = workload_flops(model, prompt_lens, output_lens)
+        # The probe's 512 MiB comes after the peak RSS is read, so as not to count in it.
+        probe = BandwidthProbe()
+        for _ in range(PROBES):
+            probe()
         result.matrix_peak_flops = max(peak, measure_peak_flops(model, engine.dtype))
+        for _ in range(PROBES):
+            probe()
+        result.bandwidth = max(probe.readings)
+        result.kernel_roofline_s = kernel_roofline_s(engine, prompt_lens, output_lens, steps,
+                                                     result.matrix_peak_flops, result.bandwidth)
     return result
 
 
