@@ -117,7 +117,9 @@ def _register_report(commands) -> None:
         description="Serve each engine in turn (fulcrum's variants, vLLM's CPU build if "
                     "installed; HF transformers offline) and run a throughput, a decode and a "
                     "mixed workload through the streaming client; write the markdown page "
-                    "of medians and the raw runs as JSON beside it. A full run takes ~30 min.")
+                    "of medians and the raw runs as JSON beside it. A full run on 2 cores "
+                    "takes ~30 min, ~90 min with llama.cpp's server (its throughput "
+                    "workload alone ~5 min a round).")
     add_report_args(parser)
     parser.set_defaults(func=run_report)
 
