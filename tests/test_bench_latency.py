@@ -13,9 +13,9 @@ import pytest
 
 from fulcrum.bench.latency import (kernel_roofline_s, measure, step_work, summary,
                                    workload_flops)
-from fulcrum.sampling_params import SamplingParams
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
+from fulcrum.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

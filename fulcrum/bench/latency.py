@@ -30,7 +30,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -104,6 +104,18 @@ def _linears(model: Any) -> Dict[str, Any]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "out_features")}
 
 
+def _stack_and_head(model: Any) -> Tuple[List[Any], Any]:
+    """The decoder stack's linear layers, which every computed token passes through, and the
+    LM head, which only the rows sampled from do."""
+    linears = _linears(model)
+    head = linears.pop("lm_head")
+    return list(linears.values()), head
+
+
+def _params(linear: Any) -> int:
+    return linear.in_features * linear.out_features
+
+
 def _flops_per_key(spec: Any) -> float:
     """One query token against one key in every layer: scores and values, 2 FLOPs per
     multiply-add."""
@@ -114,7 +126,7 @@ def _weight_bytes(engine: LLMEngine, linear: Any) -> int:
     """int8 layers hold a byte a weight (their scales are negligible), the rest the dtype's."""
     width = 1 if getattr(linear, "scale", None) is not None else \
         torch.finfo(engine.dtype).bits // 8
-    return linear.in_features * linear.out_features * width
+    return _params(linear) * width
 
 
 def _kv_bytes_per_key(engine: LLMEngine) -> int:
@@ -128,7 +140,7 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
     """Bytes a decode step must read and FLOPs it must do, `batch` requests at `context`."""
     model, spec = engine.runner.model, engine.runner.model.spec
     linears = list(_linears(model).values())
-    weight_params = sum(m.in_features * m.out_features for m in linears)
+    weight_params = sum(_params(m) for m in linears)
     weight_bytes = sum(_weight_bytes(engine, m) for m in linears)
     kv_bytes = batch * context * _kv_bytes_per_key(engine)
     flops = 2.0 * weight_params * batch + batch * context * _flops_per_key(spec)
@@ -142,9 +154,9 @@ def workload_flops(model: Any, prompt_lens: Sequence[int],
     request's last output passes through the decoder stack (2 FLOPs per weight), each output
     token comes from one row of the LM head, and the token at position t attends to t + 1
     keys (4 FLOPs per key and query dim, scores and values)."""
-    weights = {name: m.in_features * m.out_features for name, m in _linears(model).items()}
-    head = weights.pop("lm_head")
-    body, per_key = sum(weights.values()), _flops_per_key(model.spec)
+    stack, lm_head = _stack_and_head(model)
+    body, head = sum(_params(m) for m in stack), _params(lm_head)
+    per_key = _flops_per_key(model.spec)
     flops = 0.0
     for prompt, output in zip(prompt_lens, output_lens):
         tokens = prompt + output - 1
@@ -165,11 +177,10 @@ def kernel_roofline_s(engine: LLMEngine, prompt_lens: Sequence[int],
     a CPU whose matrix rate doubles (AVX512-BF16 against AVX2) makes those the larger part.
     `steps` are the generation's steps; the LM head is counted in a step for its decodes
     only, which keeps this a lower bound (a prompt's first token comes from it too)."""
-    linears = _linears(engine.runner.model)
-    head = linears.pop("lm_head")
-    body_params = sum(m.in_features * m.out_features for m in linears.values())
-    body_bytes = sum(_weight_bytes(engine, m) for m in linears.values())
-    head_params, head_bytes = head.in_features * head.out_features, _weight_bytes(engine, head)
+    stack, head = _stack_and_head(engine.runner.model)
+    body_params = sum(_params(m) for m in stack)
+    body_bytes = sum(_weight_bytes(engine, m) for m in stack)
+    head_params, head_bytes = _params(head), _weight_bytes(engine, head)
     linear_s = 0.0
     for step in steps:
         rows, sampled = step.num_prefill_tokens + step.num_decode_tokens, step.num_decode_tokens

@@ -35,7 +35,7 @@ class ThroughputResult:
     flops: float = 0.0
     matrix_peak_flops: float = 0.0
     # The roofline kernel by kernel (latency.kernel_roofline_s), which counts the work bound
-    # by memory too, at the best bandwidth probed around the run (bytes/s).
+    # by memory too, at the best bandwidth probed after the run (bytes/s).
     bandwidth: float = 0.0
     kernel_roofline_s: float = 0.0
 
