@@ -177,13 +177,15 @@ inline unsigned visible_tokens(int64_t b, int64_t len, int window) {
 #if defined(FULCRUM_VARLEN_AVX512)
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// The next span's tiles, fetched a few lines per step of the score loops: blocks sit anywhere
-// in the cache, beyond the hardware prefetcher's guess, and one burst of the whole span (a
-// decode's 768 lines) stalls on the miss buffers. Measured on a Zen 4 EPYC against this (8
-// lines a step, into L2): 4 lines took decodes 1.02-1.04x the time, 16 lines 1.07-1.11x,
-// into L1 1.2-1.3x.
+// The next span's tiles, fetched a few lines per step of the score and the value loops alike:
+// blocks sit anywhere in the cache, beyond the hardware prefetcher's guess, one burst of the
+// whole span (a decode's 768 lines) stalls on the miss buffers, and fetches in the score
+// loops alone leave memory idle while the values are summed. Measured on a Zen 4 EPYC
+// (`benchmarks/attention_ab.py`), 4 lines a step of both loops, into L2, took decodes 0.83-0.92x
+// the time of 8 lines a step of the score loops alone; 3 or 6 lines, or the span after
+// next, 0.93-0.99x. Into L1, bursts took 1.2-1.3x.
 struct SpanPrefetch {
-  static constexpr int kLinesPerStep = 8;
+  static constexpr int kLinesPerStep = 4;
   const char* tiles[8];  // up to 4 blocks x (keys, values), `bytes` each
   int count = 0, next = 0;
   int64_t bytes = 0;
@@ -243,7 +245,8 @@ __attribute__((noinline)) void add_values(__m512 (*acc)[kVecs],
                                           const int32_t (&p_pairs)[kChunk][kSpan][8],
                                           const uint16_t* const* values,
                                           const __mmask32 (&pair_masks)[kSpan][8], int span,
-                                          const int* first_pair, const int* end_pair) {
+                                          const int* first_pair, const int* end_pair,
+                                          SpanPrefetch& ahead) {
   constexpr int kDim = 16 * kVecs;
   __m512 sum[kChunk][kVecs];
 #pragma GCC unroll 4
@@ -252,6 +255,7 @@ __attribute__((noinline)) void add_values(__m512 (*acc)[kVecs],
     for (int v = 0; v < kVecs; ++v) sum[c][v] = acc[c][v];
   for (int j = 0; j < span; ++j) {
     for (int tp = first_pair[j]; tp < end_pair[j]; ++tp) {
+      ahead.step();
 #pragma GCC unroll 4
       for (int c = 0; c < kChunk; ++c) {
         const __m512bh weight = as_bh(_mm512_set1_epi32(p_pairs[c][j][tp]));
@@ -405,7 +409,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
           running_sum[i] = _mm512_add_ps(running_sum[i], span_sum);
         }
         add_values<kChunk, kSpan, kVecs>(acc + i0, p_pairs, values, pair_masks, span,
-                                         first_pair, end_pair);
+                                         first_pair, end_pair, ahead);
       }
     }
   }
