@@ -140,6 +140,13 @@ void decode_one(const Q* q, const C* k_cache, const C* v_cache, const int64_t* t
 
 constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per work item
 
+// A span's tiles to fetch ahead of their use: up to 4 blocks x (keys, values), `bytes` each.
+struct SpanTiles {
+  const char* tiles[8];
+  int count = 0;
+  int64_t bytes = 0;
+};
+
 // The bf16 cache layouts of the varlen path (fulcrum/attention.py, CpuVarlenAttentionBackend),
 // both [blocks, kv_heads, ...] so one block's heads are contiguous:
 //   keys   [blocks, kv_heads, head_dim / 2, 16 tokens, 2]: (dim, dim + 1) pairs per token;
@@ -156,10 +163,11 @@ constexpr int kMaxVectors = 32;  // query vectors (rows x heads of a group) per 
 // With `partial` set, the item covers a piece of its context (a decode split between
 // threads): instead of bf16 rows at `out`, it writes each query vector's fp32 output over
 // the piece and that piece's log-sum-exp of scores, kDim + 1 floats a vector, which
-// `merge_pieces` combines.
+// `merge_pieces` combines. `after` is the first span of the item the thread will likely take
+// next, fetched while the item's own last span runs (which has no next span to fetch).
 using AttendFn = void (*)(const uint16_t*, int64_t, int, int64_t, const uint16_t*,
                           const uint16_t*, const int64_t*, uint16_t*, int64_t, int, int, int,
-                          int, float, int, float*);
+                          int, float, int, float*, const SpanTiles&);
 
 // The first token a row of context length `len` may see (a sliding window's start).
 inline int64_t window_start(int64_t len, int window) {
@@ -186,17 +194,16 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 // next, 0.93-0.99x. Into L1, bursts took 1.2-1.3x.
 struct SpanPrefetch {
   static constexpr int kLinesPerStep = 4;
-  const char* tiles[8];  // up to 4 blocks x (keys, values), `bytes` each
-  int count = 0, next = 0;
-  int64_t bytes = 0;
+  SpanTiles span;
+  int next = 0;
   const char* line = nullptr;
   const char* end = nullptr;
 
   void step() {
     if (line >= end) {
-      if (next == count) return;
-      line = tiles[next++];
-      end = line + bytes;
+      if (next == span.count) return;
+      line = span.tiles[next++];
+      end = line + span.bytes;
     }
     for (int k = 0; k < kLinesPerStep; ++k) _mm_prefetch(line + 64 * k, _MM_HINT_T1);
     line += 64 * kLinesPerStep;
@@ -282,10 +289,10 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
                          const uint16_t* k_cache, const uint16_t* v_cache,
                          const int64_t* table, uint16_t* out, int64_t out_row_stride,
                          int kv_head, int heads, int num_kv_heads, int group, float scale,
-                         int window, float* partial) {
+                         int window, float* partial, const SpanTiles& after) {
   constexpr int kBlock = 16;
   constexpr int kSpan = 4;  // blocks scored together: 64 keys per softmax update
-  static_assert(2 * kSpan <= std::size(SpanPrefetch{}.tiles), "the next span's tiles");
+  static_assert(2 * kSpan <= std::size(SpanTiles{}.tiles), "the next span's tiles");
   constexpr int kDimPairs = kDim / 2;
   constexpr int kVecs = kDim / 16;  // fp32 accumulators of one head
   constexpr int kTile = kDim * kBlock;  // bf16 values of one block and head
@@ -343,10 +350,15 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       }
     }
     SpanPrefetch ahead;
-    ahead.bytes = int64_t{heads} * kTile * 2;
-    for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b)
-      for (const uint16_t* cache : {k_cache, v_cache})
-        ahead.tiles[ahead.count++] = reinterpret_cast<const char*>(tile(cache, b, kv_head));
+    if (b0 + kSpan < end_block) {
+      SpanTiles& next = ahead.span;
+      next.bytes = int64_t{heads} * kTile * 2;
+      for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b)
+        for (const uint16_t* cache : {k_cache, v_cache})
+          next.tiles[next.count++] = reinterpret_cast<const char*>(tile(cache, b, kv_head));
+    } else {
+      ahead.span = after;
+    }
     for (int h = 0; h < heads; ++h) {
       const __m512i* key_pairs[kSpan];
       const uint16_t* values[kSpan];
@@ -454,7 +466,8 @@ template <int kDim>
 void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
                        const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                        uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
-                       int num_kv_heads, int group, float scale, int window, float* partial) {
+                       int num_kv_heads, int group, float scale, int window, float* partial,
+                       const SpanTiles& /* its fetches stay within the item */) {
   constexpr int kBlock = 16;
   constexpr int kVecs = kDim / 8;
   constexpr int kTile = kDim * kBlock;
@@ -673,6 +686,23 @@ void merge_pieces(const SplitDecode& split, const float* scratch, int group,
   }
 }
 
+// The tiles of an item of `rows` query rows: its first span (up to 4 blocks), keys and values.
+template <int kDim>
+SpanTiles first_span(const AttendItem& item, int rows, const int64_t* tables, int max_blocks,
+                     const uint16_t* k_cache, const uint16_t* v_cache, int num_kv_heads) {
+  constexpr int64_t kTile = kDim * 16;
+  const int64_t* table = tables + static_cast<int64_t>(item.seq) * max_blocks;
+  const int64_t begin = window_start(item.first_len, item.window) / 16;
+  const int64_t end = std::min<int64_t>((item.first_len + rows - 1 + 15) / 16, begin + 4);
+  SpanTiles span;
+  span.bytes = int64_t{item.heads} * kTile * 2;
+  for (int64_t b = begin; b < end; ++b)
+    for (const uint16_t* cache : {k_cache, v_cache})
+      span.tiles[span.count++] = reinterpret_cast<const char*>(
+          cache + (table[b] * num_kv_heads + item.kv_head) * kTile);
+  return span;
+}
+
 template <int kDim>
 int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                         const uint16_t* v_cache, const int64_t* tables,
@@ -738,14 +768,20 @@ int varlen_bf16_block16(const uint16_t* q, int64_t q_stride, const uint16_t* k_c
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (size_t index = 0; index < items.size(); ++index) {
     const AttendItem& item = items[index];
-    const int rows = static_cast<int>(
-        std::min<int64_t>(tile_rows, query_start[item.seq + 1] - item.row));
+    auto rows_of = [&](const AttendItem& it) {
+      return static_cast<int>(std::min<int64_t>(tile_rows, query_start[it.seq + 1] - it.row));
+    };
+    const int rows = rows_of(item);
     float* partial = item.partial < 0 ? nullptr : scratch.data() + item.partial * kPieceSlot<kDim>;
+    const size_t guess = index + num_threads;  // the item this thread takes next, if alike
+    const SpanTiles after = guess < items.size()
+        ? first_span<kDim>(items[guess], rows_of(items[guess]), tables, max_blocks, k_cache,
+                           v_cache, num_kv_heads) : SpanTiles{};
     pick_attend<kDim>(rows, group)(
         q + item.row * q_stride, q_stride, rows, item.first_len, k_cache, v_cache,
         tables + static_cast<int64_t>(item.seq) * max_blocks, out + item.row * out_stride,
         out_stride, item.kv_head, item.heads, num_kv_heads, group, scale, item.window,
-        partial);
+        partial, after);
   }
   for (const SplitDecode& split : splits)
     merge_pieces<kDim>(split, scratch.data(), group, out, out_stride);
