@@ -9,6 +9,8 @@ query heads, 3 KV heads of 64), each layer its own cache on huge pages as the en
 allocates it, the blocks of every sequence in random order as a busy cache hands them out:
 prefill chunks at several contexts, and decodes at batch 1, 8 and 64. The figure is the
 median over turns of new / base time; the outputs of the two builds are compared too.
+Decodes, bound by memory, are also judged against the memory itself: each turn sums their
+caches in one contiguous pass, and the table gives new's rate as a share of that read's.
 
     python benchmarks/attention_ab.py --base HEAD~1        # results/attention_ab.{json,md}
     python benchmarks/attention_ab.py --base HEAD~1 --name attention_ab-avx2   # another machine
@@ -107,16 +109,31 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
                 raise RuntimeError(f"the {name} kernel refused the case")
         return time.perf_counter() - start
 
-    times: Dict[str, List[float]] = {name: [] for name in builds}
+    def read() -> float:
+        """The same caches summed, each in one contiguous pass (as latency.BandwidthProbe
+        reads): the memory's rate for these bytes, where the kernel meets them in blocks."""
+        start = time.perf_counter()
+        for cache in caches:
+            cache.view(torch.float32).sum()
+        return time.perf_counter() - start
+
+    decodes = all(n == 1 for n in new)  # bound by memory: judged against a plain read too
+    times: Dict[str, List[float]] = {name: [] for name in [*builds, *(["read"] * decodes)]}
     for turn in range(TURNS + 1):
         for name in sorted(builds, reverse=turn % 2 == 1):  # each build first in half the turns
             elapsed = step(name)
             if turn:  # the first turn warms up
                 times[name].append(elapsed)
-    return {"layers": layers,
-            "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
-            "ratio": statistics.median(n / b for n, b in zip(times["new"], times["base"])),
-            "max_abs_diff": (outs["new"].float() - outs["base"].float()).abs().max().item()}
+        if decodes and turn:
+            times["read"].append(read())
+    result = {"layers": layers,
+              "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+              "ratio": statistics.median(n / b for n, b in zip(times["new"], times["base"])),
+              "max_abs_diff": (outs["new"].float() - outs["base"].float()).abs().max().item()}
+    if decodes:
+        result["read_rate_share"] = statistics.median(
+            r / n for r, n in zip(times["read"], times["new"]))
+    return result
 
 
 def main() -> None:
@@ -146,11 +163,17 @@ def main() -> None:
              f"{HEAD_DIM}), a cache per layer on huge pages, blocks in random order; medians; "
              f"{machine['cpu']}, {machine['cores']} cores, fulcrum's kernels: "
              f"{machine['kernels']}; {machine['date']}. Regenerate: `{command}`.", "",
-             "| case | layers | base (ms) | new (ms) | new / base | largest output difference |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "Decodes are bound by memory: each turn also sums their caches in one contiguous "
+             "pass (`read`), and the last column is new's rate over that read's (median over "
+             "turns).", "",
+             "| case | layers | base (ms) | new (ms) | new / base | largest output difference "
+             "| read (ms) | new's rate / read's |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
+        read = (f"{r['ms']['read']:.2f} | {r['read_rate_share']:.2f}" if "read" in r["ms"]
+                else "- | -")
         lines.append(f"| {name} | {r['layers']} | {r['ms']['base']:.2f} | {r['ms']['new']:.2f} "
-                     f"| {r['ratio']:.3f} | {r['max_abs_diff']:.2g} |")
+                     f"| {r['ratio']:.3f} | {r['max_abs_diff']:.2g} | {read} |")
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
