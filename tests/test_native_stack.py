@@ -4,6 +4,8 @@ prefill beside decodes (the LM head in the same call, over the rows that sample)
 with int8 weights, with and without QKV bias; models it cannot run (per-head q/k norm) keep
 the Python layers."""
 
+import time
+
 import pytest
 import torch
 
@@ -51,6 +53,25 @@ def test_native_stack_matches_the_python_layers(tmp_path, arch, quantization):
     native = llm.llm_engine.runner.model.model.native
     assert native is not None and native.head is llm.llm_engine.runner.model.lm_head
     assert run(llm, native=True) == run(llm, native=False)
+
+
+def test_timed_kernels_change_no_result_and_account_for_every_kind_that_ran(tmp_path):
+    from fulcrum.models.native_stack import KERNEL_KINDS
+
+    llm = LLM(str(build(tmp_path / "llama", "llama")), dtype="bfloat16",
+              max_num_batched_tokens=32, scheduling_policy="fcfs", enable_prefix_caching=False)
+    native = llm.llm_engine.runner.model.model.native
+    untimed = run(llm, native=True)
+    assert native.kernel_seconds is None
+    seconds = native.time_kernels()
+    start = time.perf_counter()
+    assert run(llm, native=True) == untimed
+    elapsed = time.perf_counter() - start
+    spent = dict(zip(KERNEL_KINDS, seconds.tolist()))
+    assert spent.pop("all_reduce") == 0.0  # one rank: no all-reduce ran
+    assert all(value > 0.0 for value in spent.values()), spent
+    assert sum(spent.values()) < elapsed
+    assert native.time_kernels() is native.kernel_seconds and not native.kernel_seconds.any()
 
 
 def test_models_it_cannot_run_keep_the_python_layers(tmp_path):

@@ -188,13 +188,20 @@ def kernel_roofline_s(engine: LLMEngine, prompt_lens: Sequence[int],
             flops = 2.0 * (body_params * rows + head_params * sampled)
             read = body_bytes + (head_bytes if sampled else 0)
             linear_s += max(flops / peak, read / bandwidth)
+    return linear_s + attention_bound_s(engine, prompt_lens, output_lens, peak, bandwidth)
+
+
+def attention_bound_s(engine: LLMEngine, prompt_lens: Sequence[int],
+                      output_lens: Sequence[int], peak: float, bandwidth: float) -> float:
+    """The least time a whole generation's attention can take: the prompt tokens' FLOPs at
+    the matrix peak, and the decodes' at least one read of the KV cache each attends to."""
     prompt_keys = sum(p * (p + 1) / 2 for p in prompt_lens)
     decode_keys = sum((p + o - 1) * (p + o) / 2 - p * (p + 1) / 2
                       for p, o in zip(prompt_lens, output_lens))
     per_key = _flops_per_key(engine.runner.model.spec)
     decode_s = max(per_key * decode_keys / peak,
                    _kv_bytes_per_key(engine) * decode_keys / bandwidth)
-    return linear_s + per_key * prompt_keys / peak + decode_s
+    return per_key * prompt_keys / peak + decode_s
 
 
 def decode_steps(engine: LLMEngine, batch: int, input_len: int, output_len: int,

@@ -13,9 +13,16 @@
 // memory, kernels/shm_collectives.cpp), as the Python layers do. On one rank the LM head can
 // end the call too (the rows that sample, into fp32 logits, and each row's argmax, greedy
 // sampling's token), for the same reason: their Python calls, after the stack has swept the
-// caches, cost ~0.2 ms and ~0.15 ms, 2% and 1.5% of a batch-1 decode step.
+// caches, cost ~0.2 ms and ~0.15 ms, 2% and 1.5% of a batch-1 decode step. Asked, it also
+// times each kind of kernel it calls (Step::kernel_seconds; benchmarks/stack_profile.py).
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+
+// The kinds of kernel a step's time is split into when asked (Step::kernel_seconds), in the
+// order of fulcrum/models/native_stack.py's KERNEL_KINDS.
+enum KernelKind { kNorm, kQkv, kRope, kWriteKv, kAttention, kO, kAllReduce, kGateUp, kSiluMul,
+                  kDown, kHead };
 
 extern "C" {
 
@@ -86,7 +93,19 @@ struct Step {
   int64_t* argmax;             // out: each logits row's argmax; null: not wanted
   const int64_t* logit_rows;   // the rows of `normed` the head reads; null: every row
   int num_logit_rows;
+  double* kernel_seconds;      // out: each KernelKind's wall time added to its slot; null: none
 };
+
+// `call()`'s status, its wall time added to `kind`'s slot of the step's kernel_seconds if any.
+extern "C++" template <typename Call>
+int timed(const Step& s, KernelKind kind, const Call& call) {
+  if (!s.kernel_seconds) return call();
+  const auto start = std::chrono::steady_clock::now();
+  const int status = call();
+  s.kernel_seconds[kind] +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return status;
+}
 
 // Each token's row of the table; a row another rank holds is zero here, and the all-reduce
 // (if any) fills it in.
@@ -140,38 +159,62 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
   int status = embed(k, d, s);
   for (int l = 0; l < d.num_layers && !status; ++l) {
     const Layer& layer = layers[l];
-    if (l == 0) {
-      std::memcpy(s.residual, s.hidden, sizeof(uint16_t) * T * H);
-      status |= k.rms_norm(s.hidden, H, nullptr, layer.input_norm, s.normed, H, T, H, d.eps,
-                           threads);
-    } else {
-      status |= k.rms_norm(s.hidden, H, s.residual, layer.input_norm, s.normed, H, T, H, d.eps,
-                           threads);
-    }
-    status |= project(k, layer.qkv, s.normed, T, H, qkv_size, s.qkv, threads);
+    if (l == 0) std::memcpy(s.residual, s.hidden, sizeof(uint16_t) * T * H);
+    status |= timed(s, kNorm, [&] {
+      return k.rms_norm(s.hidden, H, l ? s.residual : nullptr, layer.input_norm, s.normed, H,
+                        T, H, d.eps, threads);
+    });
+    status |= timed(s, kQkv, [&] {
+      return project(k, layer.qkv, s.normed, T, H, qkv_size, s.qkv, threads);
+    });
     // q and k heads side by side in each row: one rotation call for both
-    status |= k.rope(s.qkv, qkv_size, s.positions, s.cos, s.sin, T,
-                     d.num_heads + d.num_kv_heads, d.head_dim, threads);
-    status |= k.write_kv(s.qkv + q_size, qkv_size, s.qkv + q_size + kv_size, qkv_size,
-                         layer.k_cache, layer.v_cache, s.slots, T, d.num_kv_heads, d.head_dim,
-                         threads);
-    status |= k.attention(s.qkv, qkv_size, layer.k_cache, layer.v_cache, s.tables,
-                          s.query_start, s.seq_lens, s.attn, s.num_seqs, d.num_heads,
-                          d.num_kv_heads, d.head_dim, d.block_size, d.max_blocks, d.scale,
-                          d.window, threads);
-    status |= project(k, layer.o, s.attn, T, q_size, H, s.hidden, threads);
-    if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
-    status |= k.rms_norm(s.hidden, H, s.residual, layer.post_norm, s.normed, H, T, H, d.eps,
-                         threads);
-    status |= project(k, layer.gate_up, s.normed, T, H, 2 * d.intermediate, s.gate_up, threads);
-    status |= k.silu_mul(s.gate_up, s.act, T, d.intermediate, threads);
-    status |= project(k, layer.down, s.act, T, d.intermediate, H, s.hidden, threads);
-    if (k.all_reduce) status |= k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
+    status |= timed(s, kRope, [&] {
+      return k.rope(s.qkv, qkv_size, s.positions, s.cos, s.sin, T,
+                    d.num_heads + d.num_kv_heads, d.head_dim, threads);
+    });
+    status |= timed(s, kWriteKv, [&] {
+      return k.write_kv(s.qkv + q_size, qkv_size, s.qkv + q_size + kv_size, qkv_size,
+                        layer.k_cache, layer.v_cache, s.slots, T, d.num_kv_heads, d.head_dim,
+                        threads);
+    });
+    status |= timed(s, kAttention, [&] {
+      return k.attention(s.qkv, qkv_size, layer.k_cache, layer.v_cache, s.tables,
+                         s.query_start, s.seq_lens, s.attn, s.num_seqs, d.num_heads,
+                         d.num_kv_heads, d.head_dim, d.block_size, d.max_blocks, d.scale,
+                         d.window, threads);
+    });
+    status |= timed(s, kO, [&] {
+      return project(k, layer.o, s.attn, T, q_size, H, s.hidden, threads);
+    });
+    if (k.all_reduce)
+      status |= timed(s, kAllReduce, [&] {
+        return k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
+      });
+    status |= timed(s, kNorm, [&] {
+      return k.rms_norm(s.hidden, H, s.residual, layer.post_norm, s.normed, H, T, H, d.eps,
+                        threads);
+    });
+    status |= timed(s, kGateUp, [&] {
+      return project(k, layer.gate_up, s.normed, T, H, 2 * d.intermediate, s.gate_up, threads);
+    });
+    status |= timed(s, kSiluMul, [&] {
+      return k.silu_mul(s.gate_up, s.act, T, d.intermediate, threads);
+    });
+    status |= timed(s, kDown, [&] {
+      return project(k, layer.down, s.act, T, d.intermediate, H, s.hidden, threads);
+    });
+    if (k.all_reduce)
+      status |= timed(s, kAllReduce, [&] {
+        return k.all_reduce(k.all_reduce_group, s.hidden, int64_t{T} * H);
+      });
   }
   if (!status)
-    status |= k.rms_norm(s.hidden, H, s.residual, s.final_norm, s.normed, H, T, H, d.eps,
-                         threads);
-  if (!status && s.logits && s.num_logit_rows) status |= head(k, d, s);
+    status |= timed(s, kNorm, [&] {
+      return k.rms_norm(s.hidden, H, s.residual, s.final_norm, s.normed, H, T, H, d.eps,
+                        threads);
+    });
+  if (!status && s.logits && s.num_logit_rows)
+    status |= timed(s, kHead, [&] { return head(k, d, s); });
   return status;
 }
 

@@ -50,7 +50,16 @@ class _Step(ctypes.Structure):
         (name, _P) for name in ("token_ids", "embedding", "final_norm", "normed", "hidden",
                                 "residual", "qkv", "attn", "gate_up", "act", "positions",
                                 "cos", "sin", "slots", "tables", "query_start", "seq_lens",
-                                "logits", "argmax", "logit_rows")] + [("num_logit_rows", _I)]
+                                "logits", "argmax", "logit_rows")] + [
+        ("num_logit_rows", _I), ("kernel_seconds", _P)]
+
+
+# The kinds of kernel `NativeStack.kernel_seconds` splits the time into (decoder_stack.cpp's
+# KernelKind): the norms (input, post-attention and final), the projections, RoPE, the KV
+# write, attention, the all-reduces under tensor parallelism, SiLU * up, and the LM head with
+# its argmax.
+KERNEL_KINDS = ("rms_norm", "qkv_proj", "rope", "write_kv", "attention", "o_proj",
+                "all_reduce", "gate_up_proj", "silu_mul", "down_proj", "lm_head")
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,6 +120,15 @@ class NativeStack:
         self._caches: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         # The last single-token step's inputs, outputs and call arguments (see `with_logits`).
         self._kept: Optional[Tuple[tuple, tuple, tuple]] = None  # (inputs, outputs, arguments)
+        self.kernel_seconds: Optional[torch.Tensor] = None
+
+    def time_kernels(self) -> torch.Tensor:
+        """From the next call on, add each kind of kernel's wall time (seconds, float64, in
+        the order of KERNEL_KINDS) to the returned tensor: where a step's time goes, for a
+        profile (benchmarks/stack_profile.py). Each kernel call then reads the clock twice."""
+        self.kernel_seconds = torch.zeros(len(KERNEL_KINDS), dtype=torch.float64)
+        self._kept = None  # kept arguments point at no (or another) tensor
+        return self.kernel_seconds
 
     @classmethod
     def for_model(cls, model: Any, backend: Any, group: Any = None,
@@ -221,7 +239,8 @@ class NativeStack:
                          meta.block_tables, meta.query_start_loc, meta.seq_lens)],
                      *[None if t is None else t.data_ptr() for t in (logits, argmax,
                                                                        logits_rows)],
-                     num_rows)
+                     num_rows, None if self.kernel_seconds is None
+                     else self.kernel_seconds.data_ptr())
         call = (ctypes.addressof(self.kernels), ctypes.addressof(self._layer_table(kv_caches)),
                 ctypes.addressof(dims), ctypes.addressof(step))
         return (normed, logits, argmax), (call, dims, step, scratch, normed, logits, argmax)
