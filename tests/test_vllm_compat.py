@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 
 import httpx
 import pytest
@@ -230,6 +231,11 @@ def test_aliases_cors_and_log_len(options_server, caplog):
     with caplog.at_level(logging.INFO):
         reply = httpx.post(url + "/v1/completions", json={"model": "alias", "prompt": "hello",
                                                          "max_tokens": 30, "ignore_eos": True})
+        # The stats line for the interval the request ran in comes at that interval's end
+        # (0.05 s), which may be after the reply.
+        deadline = time.monotonic() + 5.0
+        while "Avg prompt throughput:" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert reply.json()["model"] == "main"
     assert "prompt 'hel', prompt_token_ids [71, 68, 75] (5 tokens)" in caplog.text
     assert "Avg prompt throughput:" in caplog.text and "Running: " in caplog.text
