@@ -35,35 +35,13 @@ from fulcrum.bench.throughput import run_isolated
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_PROMPTS, PROMPT, OUTPUT, ROUNDS = 64, 256, 128, 3
 WEIGHTS = {"bfloat16": {}, "int8": {"quantization": "int8"}}
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def matrix_flops(model: Any, requests: List[SampleRequest]) -> Dict[str, float]:
-    """The FLOPs of each kind of matrix work: every computed token (all but each request's
-    last output) through each projection of every layer, one LM-head row per output token,
-    and causal attention (a token at position i scores and sums i + 1 keys)."""
-    stack = model.model
-    layers = len(stack.layers)
-    computed = sum(r.prompt_len + r.output_len - 1 for r in requests)
-    flops = {}
-    for name in PROJECTIONS:
-        owner = stack.layers[0].mlp if name in ("gate_up_proj", "down_proj") \
-            else stack.layers[0].self_attn
-        linear = getattr(owner, name)
-        flops[name] = 2.0 * computed * linear.in_features * linear.out_features * layers
-    head = model.lm_head
-    flops["lm_head"] = 2.0 * sum(r.output_len for r in requests) * head.in_features \
-        * head.out_features
-    attention = stack.layers[0].self_attn
-    keys = sum(n * (n + 1) / 2 for n in (r.prompt_len + r.output_len - 1 for r in requests))
-    flops["attention"] = 4.0 * keys * attention.num_heads * attention.head_dim * layers
-    return flops
 
 
 def profile_run(model_dir: str, engine_kwargs: Dict[str, Any],
                 requests: List[SampleRequest]) -> Dict[str, Any]:
     from fulcrum import SamplingParams
-    from fulcrum.bench.latency import BandwidthProbe, attention_bound_s, measure_peak_flops
+    from fulcrum.bench.latency import (BandwidthProbe, attention_bound_s, measure_peak_flops,
+                                       workload_flops_by_kind)
     from fulcrum.bench.throughput import PROBES
     from fulcrum.llm import LLM
     from fulcrum.models.native_stack import KERNEL_KINDS
@@ -86,10 +64,11 @@ def profile_run(model_dir: str, engine_kwargs: Dict[str, Any],
     for _ in range(2 * PROBES):
         probe()
     bandwidth = max(probe.readings)
-    bound = attention_bound_s(engine, [r.prompt_len for r in requests],
-                              [r.output_len for r in requests], peak, bandwidth)
+    prompt_lens, output_lens = [r.prompt_len for r in requests], [r.output_len for r in requests]
     return {"elapsed_s": elapsed, "matrix_peak_flops": peak, "bandwidth": bandwidth,
-            "attention_bound_s": bound, "seconds": spent, "flops": matrix_flops(model, requests)}
+            "attention_bound_s": attention_bound_s(engine, prompt_lens, output_lens, peak,
+                                                   bandwidth),
+            "seconds": spent, "flops": workload_flops_by_kind(model, prompt_lens, output_lens)}
 
 
 def main() -> None:

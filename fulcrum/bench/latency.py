@@ -150,17 +150,26 @@ def step_work(engine: LLMEngine, batch: int, context: int) -> Dict[str, float]:
 
 def workload_flops(model: Any, prompt_lens: Sequence[int],
                    output_lens: Sequence[int]) -> float:
-    """FLOPs a whole generation must do, no prompt token found cached: every token but a
-    request's last output passes through the decoder stack (2 FLOPs per weight), each output
-    token comes from one row of the LM head, and the token at position t attends to t + 1
-    keys (4 FLOPs per key and query dim, scores and values)."""
-    stack, lm_head = _stack_and_head(model)
-    body, head = sum(_params(m) for m in stack), _params(lm_head)
-    per_key = _flops_per_key(model.spec)
-    flops = 0.0
-    for prompt, output in zip(prompt_lens, output_lens):
-        tokens = prompt + output - 1
-        flops += 2.0 * body * tokens + 2.0 * head * output + per_key * tokens * (tokens + 1) / 2
+    """FLOPs a whole generation must do, no prompt token found cached (the sum of
+    `workload_flops_by_kind`)."""
+    return sum(workload_flops_by_kind(model, prompt_lens, output_lens).values())
+
+
+def workload_flops_by_kind(model: Any, prompt_lens: Sequence[int],
+                           output_lens: Sequence[int]) -> Dict[str, float]:
+    """A whole generation's FLOPs by kind of matrix work, no prompt token found cached: each
+    projection of the decoder stack by its name in a layer ("qkv_proj", ...; every token but
+    a request's last output passes through it, 2 FLOPs per weight), "lm_head" (one row per
+    output token) and "attention" (the token at position t attends to t + 1 keys, 4 FLOPs
+    per key and query dim, scores and values)."""
+    computed = sum(p + o - 1 for p, o in zip(prompt_lens, output_lens))
+    flops: Dict[str, float] = {}
+    for name, linear in _linears(model).items():
+        kind = name.rsplit(".", 1)[-1]
+        rows = sum(output_lens) if kind == "lm_head" else computed
+        flops[kind] = flops.get(kind, 0.0) + 2.0 * _params(linear) * rows
+    keys = sum((p + o - 1) * (p + o) / 2 for p, o in zip(prompt_lens, output_lens))
+    flops["attention"] = _flops_per_key(model.spec) * keys
     return flops
 
 

@@ -147,6 +147,21 @@ struct SpanTiles {
   int64_t bytes = 0;
 };
 
+// The tiles of blocks [begin, end) (at most 4) of the sequence with block `table`, for its
+// KV heads [kv_head, kv_head + heads), which sit side by side in each block.
+template <int kDim>
+SpanTiles span_tiles(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                     int num_kv_heads, int kv_head, int heads, int64_t begin, int64_t end) {
+  constexpr int64_t kTile = kDim * 16;  // bf16 values of one block and head
+  SpanTiles span;
+  span.bytes = int64_t{heads} * kTile * 2;
+  for (int64_t b = begin; b < end; ++b)
+    for (const uint16_t* cache : {k_cache, v_cache})
+      span.tiles[span.count++] = reinterpret_cast<const char*>(
+          cache + (table[b] * num_kv_heads + kv_head) * kTile);
+  return span;
+}
+
 // The bf16 cache layouts of the varlen path (fulcrum/attention.py, CpuVarlenAttentionBackend),
 // both [blocks, kv_heads, ...] so one block's heads are contiguous:
 //   keys   [blocks, kv_heads, head_dim / 2, 16 tokens, 2]: (dim, dim + 1) pairs per token;
@@ -350,15 +365,10 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       }
     }
     SpanPrefetch ahead;
-    if (b0 + kSpan < end_block) {
-      SpanTiles& next = ahead.span;
-      next.bytes = int64_t{heads} * kTile * 2;
-      for (int64_t b = b0 + kSpan; b < std::min<int64_t>(b0 + 2 * kSpan, end_block); ++b)
-        for (const uint16_t* cache : {k_cache, v_cache})
-          next.tiles[next.count++] = reinterpret_cast<const char*>(tile(cache, b, kv_head));
-    } else {
-      ahead.span = after;
-    }
+    ahead.span = b0 + kSpan < end_block
+        ? span_tiles<kDim>(k_cache, v_cache, table, num_kv_heads, kv_head, heads, b0 + kSpan,
+                           std::min<int64_t>(b0 + 2 * kSpan, end_block))
+        : after;
     for (int h = 0; h < heads; ++h) {
       const __m512i* key_pairs[kSpan];
       const uint16_t* values[kSpan];
@@ -690,17 +700,10 @@ void merge_pieces(const SplitDecode& split, const float* scratch, int group,
 template <int kDim>
 SpanTiles first_span(const AttendItem& item, int rows, const int64_t* tables, int max_blocks,
                      const uint16_t* k_cache, const uint16_t* v_cache, int num_kv_heads) {
-  constexpr int64_t kTile = kDim * 16;
-  const int64_t* table = tables + static_cast<int64_t>(item.seq) * max_blocks;
   const int64_t begin = window_start(item.first_len, item.window) / 16;
-  const int64_t end = std::min<int64_t>((item.first_len + rows - 1 + 15) / 16, begin + 4);
-  SpanTiles span;
-  span.bytes = int64_t{item.heads} * kTile * 2;
-  for (int64_t b = begin; b < end; ++b)
-    for (const uint16_t* cache : {k_cache, v_cache})
-      span.tiles[span.count++] = reinterpret_cast<const char*>(
-          cache + (table[b] * num_kv_heads + item.kv_head) * kTile);
-  return span;
+  return span_tiles<kDim>(k_cache, v_cache, tables + static_cast<int64_t>(item.seq) * max_blocks,
+                          num_kv_heads, item.kv_head, item.heads, begin,
+                          std::min<int64_t>((item.first_len + rows - 1 + 15) / 16, begin + 4));
 }
 
 template <int kDim>
