@@ -397,38 +397,44 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
         if (!any_valid) continue;
         score_span<kChunk, kSpan, kDimPairs>(key_pairs, query, scores, ahead);
         alignas(64) int32_t p_pairs[kChunk][kSpan][kBlock / 2];
+        // The chunk's maxima first, then its kChunk x kSpan exponentials together: a
+        // vector's own (a maximum, exponentials, a sum) is one long dependent chain, and the
+        // others' fill its gaps. Scores stay unscaled: with scale > 0 the largest is the
+        // largest scaled one, and the scale joins the exponent's multiplier.
+        float tile_max[kChunk];
         for (int c = 0; c < kChunk; ++c) {
-          const int i = i0 + c;  // >= head_end: a padding lane, valid[c] all 0
           __m512 span_max = _mm512_set1_ps(-1e30f);
-          __mmask16 seen = 0;
-          for (int j = 0; j < kSpan; ++j) {
-            scores[c][j] = _mm512_mul_ps(scores[c][j], _mm512_set1_ps(scale));
+          for (int j = 0; j < kSpan; ++j)
             span_max = _mm512_mask_max_ps(span_max, valid[c][j], span_max, scores[c][j]);
-            seen |= valid[c][j];
-          }
-          if (!seen) {
-            std::memset(p_pairs[c], 0, sizeof p_pairs[c]);
-            continue;
-          }
-          const float tile_max = std::max(running_max[i], _mm512_reduce_max_ps(span_max));
-          const __m512 shift = _mm512_set1_ps(tile_max);
-          __m512 span_sum = _mm512_setzero_ps();
+          tile_max[c] = std::max(running_max[i0 + c], _mm512_reduce_max_ps(span_max));
+        }
+        const __m512 log2e_scale = _mm512_set1_ps(scale * fulcrum::kLog2e);
+        __m512 span_sum[kChunk];
+        for (int c = 0; c < kChunk; ++c) {
+          span_sum[c] = _mm512_setzero_ps();
+          const __m512 shift = _mm512_set1_ps(-tile_max[c] * scale * fulcrum::kLog2e);
           for (int j = 0; j < kSpan; ++j) {
-            const __m512 p = _mm512_maskz_mov_ps(
-                valid[c][j], fulcrum::exp512(_mm512_sub_ps(scores[c][j], shift)));
+            // Lanes outside `valid` (unwritten slots, padding) may be NaN or huge: zeroed.
+            const __m512 p = _mm512_maskz_mov_ps(valid[c][j], fulcrum::exp2_weights(
+                _mm512_fmadd_ps(scores[c][j], log2e_scale, shift)));
             const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
             std::memcpy(p_pairs[c][j], &p_bf16, sizeof p_pairs[c][j]);
             // The sum of the rounded weights, so the output stays their exact average.
-            span_sum = _mm512_add_ps(span_sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+            span_sum[c] = _mm512_add_ps(span_sum[c], _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(p_bf16)), 16)));
           }
-          if (tile_max > running_max[i]) {
-            const __m512 corr = _mm512_set1_ps(std::exp(running_max[i] - tile_max));
+        }
+        for (int c = 0; c < kChunk; ++c) {
+          const int i = i0 + c;  // >= head_end: a padding lane, its weights all 0
+          if (tile_max[c] > running_max[i]) {
+            // In registers: a call to libm's exp would spill every live vector register.
+            const __m512 corr = fulcrum::exp2_weights(_mm512_set1_ps(
+                (running_max[i] - tile_max[c]) * scale * fulcrum::kLog2e));
             for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], corr);
             running_sum[i] = _mm512_mul_ps(running_sum[i], corr);
-            running_max[i] = tile_max;
+            running_max[i] = tile_max[c];
           }
-          running_sum[i] = _mm512_add_ps(running_sum[i], span_sum);
+          running_sum[i] = _mm512_add_ps(running_sum[i], span_sum[c]);
         }
         add_values<kChunk, kSpan, kVecs>(acc + i0, p_pairs, values, pair_masks, span,
                                          first_pair, end_pair, ahead);
@@ -443,7 +449,7 @@ void attend_bf16_block16(const uint16_t* q, int64_t q_row_stride, int rows, int6
       float* piece = partial + i * (kDim + 1);
       for (int v = 0; v < kVecs; ++v)
         _mm512_storeu_ps(piece + 16 * v, _mm512_mul_ps(acc[i][v], inv));
-      piece[kDim] = running_max[i] + std::log(sum);
+      piece[kDim] = running_max[i] * scale + std::log(sum);
       continue;
     }
     uint16_t* o = out + r * out_row_stride + ((kv_head + h) * group + g) * kDim;
