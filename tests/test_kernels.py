@@ -244,6 +244,10 @@ def test_paged_varlen_attention_matches_causal_float64(head_dim, group, window):
         reference = _reference_decode(q[rows], k_cache, v_cache,
                                       tables[s].expand(new, -1), row_lens, scale, window)
         torch.testing.assert_close(got[rows].double(), reference, atol=2e-2, rtol=2e-2)
+    # The softmax takes the largest unscaled score as the largest scaled one: no other sign.
+    with pytest.raises(RuntimeError, match="scale -"):
+        kernels.paged_varlen_attention(q, pair_k, pair_v, tables, query_start,
+                                       torch.tensor(lens), -scale, window)
 
 
 @pytest.mark.skipif(not kernels.supports_varlen(torch.bfloat16, torch.bfloat16, 3, 64, 16),

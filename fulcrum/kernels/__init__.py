@@ -217,7 +217,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         torch.get_num_threads())
     if status:
         raise RuntimeError(f"paged_varlen_attention has no kernel for {tuple(q.shape)}, "
-                           f"block size {block_size}")
+                           f"block size {block_size}, scale {scale}")
     return out
 
 

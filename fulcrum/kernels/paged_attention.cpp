@@ -886,7 +886,8 @@ int paged_varlen_attention_bf16_supported() {
 // sequence s owns query rows [query_start[s], query_start[s + 1]), the newest tokens of its
 // seq_lens[s]-token context. Query rows are q_stride values apart (each row's heads side by
 // side, so a view into the fused QKV output serves); the output's rows are contiguous. bf16
-// queries and cache, 16-token blocks, head size 64 or 128; returns nonzero for any other
+// queries and cache, 16-token blocks, head size 64 or 128, scale > 0 (the softmax takes a
+// row's largest unscaled score as its largest scaled one); returns nonzero for any other
 // case, which the caller then routes elsewhere.
 int paged_varlen_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                                 const uint16_t* v, const int64_t* tables,
@@ -895,6 +896,7 @@ int paged_varlen_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                                 int head_dim, int block_size, int max_blocks, float scale,
                                 int window, int num_threads) {
 #if defined(FULCRUM_VARLEN_AVX512) || defined(FULCRUM_VARLEN_AVX2)
+  if (!(scale > 0.f)) return 1;
   if (block_size == 16 && head_dim == 64)
     return varlen_bf16_block16<64>(q, q_stride, k, v, tables, query_start, seq_lens, out,
                                    num_seqs, num_heads, num_kv_heads, max_blocks, scale,
