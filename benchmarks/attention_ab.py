@@ -21,19 +21,18 @@ from __future__ import annotations
 import ctypes
 import json
 import statistics
-import subprocess
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 
 from fulcrum import kernels
+from fulcrum.bench.kernel_ab import alternate, build, short_revision, sources_at
 from fulcrum.bench.report import machine_facts, results_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+SOURCE = "paged_attention.cpp"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 TURNS = 15
 # name -> (context length of each sequence, its new tokens, layers)
@@ -47,31 +46,13 @@ CASES = {"prefill 512 rows at context 2048": ([2048], [512], 10),
 Kernel = Callable[..., int]
 
 
-def build(sources: Path, out: Path) -> Kernel:
-    """paged_attention.cpp in `sources` (beside its headers), compiled as the engine compiles
-    it and loaded (not through the engine's cache, whose key is this tree's headers)."""
-    found = kernels.compiler()
-    if found is None:
-        raise SystemExit("no C++ compiler found ($CXX, else g++)")
-    subprocess.run([found, *kernels.FLAGS, str(sources / "paged_attention.cpp"), "-o", str(out)],
-                   check=True)
-    function = ctypes.CDLL(str(out)).paged_varlen_attention_bf16
+def load(sources: Path, out: Path) -> Kernel:
+    """The attention kernel of `sources`, built and typed."""
+    function = build(sources, SOURCE, out).paged_varlen_attention_bf16
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.restype = i32
     function.argtypes = [pointer, i64] + [pointer] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32]
     return function
-
-
-def sources_at(revision: str, into: Path) -> Path:
-    """The kernel sources (the .cpp and every header) as they were at `revision`."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", revision, "fulcrum/kernels/"],
-                           cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
-    for name in names:
-        if name.endswith((".h", "paged_attention.cpp")):
-            text = subprocess.run(["git", "show", f"{revision}:{name}"], cwd=REPO, check=True,
-                                  capture_output=True, text=True).stdout
-            (into / Path(name).name).write_text(text)
-    return into
 
 
 def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
@@ -97,8 +78,7 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     outs = {name: torch.empty(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16) for name in builds}
 
-    def step(name: str) -> float:
-        start = time.perf_counter()
+    def step(name: str) -> None:
         for layer in range(layers):
             failed = builds[name](
                 q.data_ptr(), row_width, caches[2 * layer].data_ptr(),
@@ -107,25 +87,19 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
                 HEAD_DIM, BLOCK, width, HEAD_DIM ** -0.5, 0, torch.get_num_threads())
             if failed:
                 raise RuntimeError(f"the {name} kernel refused the case")
-        return time.perf_counter() - start
 
-    def read() -> float:
+    def read() -> None:
         """The same caches summed, each in one contiguous pass (as latency.BandwidthProbe
         reads): the memory's rate for these bytes, where the kernel meets them in blocks."""
-        start = time.perf_counter()
         for cache in caches:
             cache.view(torch.float32).sum()
-        return time.perf_counter() - start
 
     decodes = all(n == 1 for n in new)  # bound by memory: judged against a plain read too
-    times: Dict[str, List[float]] = {name: [] for name in [*builds, *(["read"] * decodes)]}
-    for turn in range(TURNS + 1):
-        for name in sorted(builds, reverse=turn % 2 == 1):  # each build first in half the turns
-            elapsed = step(name)
-            if turn:  # the first turn warms up
-                times[name].append(elapsed)
-        if decodes and turn:
-            times["read"].append(read())
+    calls: Dict[str, Callable[[], None]] = {name: (lambda name=name: step(name))
+                                            for name in sorted(builds)}
+    if decodes:
+        calls["read"] = read
+    times = alternate(calls, TURNS)
     result = {"layers": layers,
               "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
               "ratio": statistics.median(n / b for n, b in zip(times["new"], times["base"])),
@@ -141,13 +115,12 @@ def main() -> None:
         "attention_ab.py", __doc__, "attention_ab",
         lambda parser: parser.add_argument("--base", required=True,
                                            help="the git revision to compare against"))
-    base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    base = short_revision(args.base)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "base").mkdir()
-        builds = {"base": build(sources_at(base, root / "base"), root / "base.so"),
-                  "new": build(kernels.KERNEL_DIR, root / "new.so")}
+        builds = {"base": load(sources_at(base, SOURCE, root / "base"), root / "base.so"),
+                  "new": load(kernels.KERNEL_DIR, root / "new.so")}
         results = {}
         for name, (lens, new, layers) in CASES.items():
             results[name] = run_case(builds, lens, new, layers)
