@@ -120,9 +120,10 @@ inline void store_row(const __m512* acc, const float* scale, float row_scale, co
 }
 
 // bf16: a tile of M rows x one panel; the panel holds (k, k+1) pairs of kPanel columns.
-// No software prefetch here, unlike the AVX2 tiles: on a Zen 4 EPYC the hardware prefetchers
-// keep the weight stream at ~0.9 of a plain streaming read with the same calls, and a
-// prefetch 512-2048 bytes ahead made batch-1 sweeps 6-25% slower.
+// No software prefetch of its own panel, unlike the AVX2 tiles: on a Zen 4 EPYC the hardware
+// prefetchers keep the weight stream at ~0.9 of a plain streaming read with the same calls,
+// and a prefetch 512-2048 bytes ahead made batch-1 sweeps 6-25% slower (non-temporal ones
+// too); `ahead` is the next panel's share (for_tiles).
 template <int M>
 void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs,
                const float* bias, char* out, int64_t ldo_bytes, int columns, bool out_f32,
