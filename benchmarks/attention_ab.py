@@ -28,7 +28,7 @@ from typing import Callable, Dict, Sequence
 import torch
 
 from fulcrum import kernels
-from fulcrum.bench.kernel_ab import alternate, build, short_revision, sources_at
+from fulcrum.bench.kernel_ab import alternate, base_option, builds, short_revision
 from fulcrum.bench.report import machine_facts, results_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,16 +46,16 @@ CASES = {"prefill 512 rows at context 2048": ([2048], [512], 10),
 Kernel = Callable[..., int]
 
 
-def load(sources: Path, out: Path) -> Kernel:
-    """The attention kernel of `sources`, built and typed."""
-    function = build(sources, SOURCE, out).paged_varlen_attention_bf16
+def typed(library: ctypes.CDLL) -> Kernel:
+    """The library's attention kernel, with its argument types."""
+    function = library.paged_varlen_attention_bf16
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.restype = i32
     function.argtypes = [pointer, i64] + [pointer] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32]
     return function
 
 
-def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
+def run_case(kernels_by_build: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
              layers: int) -> Dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     blocks = sum(-(-n // BLOCK) for n in lens)
@@ -76,11 +76,11 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
     row_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM  # queries read in place from fused QKV rows
     q = torch.randn(rows, row_width, generator=generator).bfloat16()
     seq_lens = torch.tensor(lens, dtype=torch.int64)
-    outs = {name: torch.empty(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16) for name in builds}
+    outs = {name: torch.empty(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16) for name in kernels_by_build}
 
     def step(name: str) -> None:
         for layer in range(layers):
-            failed = builds[name](
+            failed = kernels_by_build[name](
                 q.data_ptr(), row_width, caches[2 * layer].data_ptr(),
                 caches[2 * layer + 1].data_ptr(), tables.data_ptr(), query_start.data_ptr(),
                 seq_lens.data_ptr(), outs[name].data_ptr(), len(lens), HEADS, KV_HEADS,
@@ -96,7 +96,7 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
 
     decodes = all(n == 1 for n in new)  # bound by memory: judged against a plain read too
     calls: Dict[str, Callable[[], None]] = {name: (lambda name=name: step(name))
-                                            for name in sorted(builds)}
+                                            for name in sorted(kernels_by_build)}
     if decodes:
         calls["read"] = read
     times = alternate(calls, TURNS)
@@ -111,19 +111,14 @@ def run_case(builds: Dict[str, Kernel], lens: Sequence[int], new: Sequence[int],
 
 
 def main() -> None:
-    stem, command, args = results_name(
-        "attention_ab.py", __doc__, "attention_ab",
-        lambda parser: parser.add_argument("--base", required=True,
-                                           help="the git revision to compare against"))
+    stem, command, args = results_name("attention_ab.py", __doc__, "attention_ab", base_option)
     base = short_revision(args.base)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "base").mkdir()
-        builds = {"base": load(sources_at(base, SOURCE, root / "base"), root / "base.so"),
-                  "new": load(kernels.KERNEL_DIR, root / "new.so")}
+        kernels_by_build = {name: typed(library)
+                            for name, library in builds(base, SOURCE, Path(tmp)).items()}
         results = {}
         for name, (lens, new, layers) in CASES.items():
-            results[name] = run_case(builds, lens, new, layers)
+            results[name] = run_case(kernels_by_build, lens, new, layers)
             print(f"{name}: new / base {results[name]['ratio']:.3f}", flush=True)
     machine = machine_facts()
     data = {"base": base, "turns": TURNS, "cases": results, "machine": machine}

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from fulcrum import kernels
-from fulcrum.bench.kernel_ab import alternate, build, short_revision, sources_at
+from fulcrum.bench.kernel_ab import alternate, base_option, builds, short_revision
 from fulcrum.bench.report import machine_facts, results_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,8 +40,8 @@ PROJECTIONS = {"qkv": (960, 576, LAYERS), "o": (576, 576, LAYERS),
 Weight = Tuple[torch.Tensor, Optional[torch.Tensor]]  # packed panels, int8's scales
 
 
-def load(sources: Path, out: Path) -> ctypes.CDLL:
-    library = build(sources, SOURCE, out)
+def typed(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The library, its two linear kernels given their argument types."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name, scaled in (("fulcrum_linear_bf16", False), ("fulcrum_linear_int8", True)):
         function = getattr(library, name)
@@ -67,17 +67,17 @@ def weights(dtype: str, generator: torch.Generator) -> Dict[str, List[Weight]]:
     return packed
 
 
-def run_case(builds: Dict[str, ctypes.CDLL], packed: Dict[str, List[Weight]],
+def run_case(libraries: Dict[str, ctypes.CDLL], packed: Dict[str, List[Weight]],
              rows: int, generator: torch.Generator) -> Dict[str, object]:
     inputs = {name: torch.randn(rows, in_features, generator=generator).bfloat16()
               for name, (_, in_features, _) in PROJECTIONS.items()}
     outputs = {build_name: {name: torch.empty(rows, out_features, dtype=torch.bfloat16)
                             for name, (out_features, _, _) in PROJECTIONS.items()}
-               for build_name in builds}
+               for build_name in libraries}
     threads = torch.get_num_threads()
 
     def step(build_name: str) -> None:
-        library = builds[build_name]
+        library = libraries[build_name]
         for name, (out_features, in_features, _) in PROJECTIONS.items():
             x, y = inputs[name], outputs[build_name][name]
             common = (y.data_ptr(), out_features, rows, out_features, in_features, 0, threads)
@@ -91,7 +91,7 @@ def run_case(builds: Dict[str, ctypes.CDLL], packed: Dict[str, List[Weight]],
                 if failed:
                     raise RuntimeError(f"the {build_name} kernel refused {name}")
 
-    times = alternate({name: (lambda name=name: step(name)) for name in sorted(builds)}, TURNS)
+    times = alternate({name: (lambda name=name: step(name)) for name in sorted(libraries)}, TURNS)
     ratios = [n / b for n, b in zip(times["new"], times["base"])]
     quartiles = statistics.quantiles(ratios, n=4)
     return {"ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
@@ -101,25 +101,20 @@ def run_case(builds: Dict[str, ctypes.CDLL], packed: Dict[str, List[Weight]],
 
 
 def main() -> None:
-    stem, command, args = results_name(
-        "linear_ab.py", __doc__, "linear_ab",
-        lambda parser: parser.add_argument("--base", required=True,
-                                           help="the git revision to compare against"))
+    stem, command, args = results_name("linear_ab.py", __doc__, "linear_ab", base_option)
     if not kernels.supports_linear(torch.zeros(2, 2, dtype=torch.bfloat16)):
         raise SystemExit("this machine has no packed linear kernel to compare")
     base = short_revision(args.base)
     generator = torch.Generator().manual_seed(0)
     results: Dict[str, Dict[int, Dict[str, object]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "base").mkdir()
-        builds = {"base": load(sources_at(base, SOURCE, root / "base"), root / "base.so"),
-                  "new": load(kernels.KERNEL_DIR, root / "new.so")}
+        libraries = {name: typed(library)
+                     for name, library in builds(base, SOURCE, Path(tmp)).items()}
         for dtype in ("bf16", "int8"):
             packed = weights(dtype, generator)
             results[dtype] = {}
             for rows in ROWS:
-                result = run_case(builds, packed, rows, generator)
+                result = run_case(libraries, packed, rows, generator)
                 results[dtype][rows] = result
                 print(f"{dtype}, {rows} rows: new / base {result['ratio']:.3f}", flush=True)
     machine = machine_facts()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fulcrum import kernels
-from fulcrum.bench.kernel_ab import REPO, alternate, build, short_revision, sources_at
+from fulcrum.bench.kernel_ab import REPO, alternate, build, builds, short_revision, sources_at
 
 
 def test_alternate_reverses_the_order_every_other_turn_and_drops_the_warm_up():
@@ -46,3 +46,13 @@ def test_build_compiles_and_loads_a_kernel_that_runs(tmp_path):
     out = torch.empty(2, dtype=torch.int64)
     assert function(x.data_ptr(), 4, 2, 4, out.data_ptr(), 1) == 0
     assert out.tolist() == [1, 2]
+
+
+@pytest.mark.skipif(kernels.compiler() is None or not (REPO / ".git").exists(),
+                    reason="no C++ compiler, or not a git checkout")
+def test_builds_gives_the_revision_and_the_working_tree_side_by_side(tmp_path):
+    libraries = builds("HEAD", "argmax.cpp", tmp_path)
+    assert sorted(libraries) == ["base", "new"]
+    assert (tmp_path / "base" / "argmax.cpp").is_file()
+    assert (tmp_path / "base.so").is_file() and (tmp_path / "new.so").is_file()
+    assert libraries["base"]._name != libraries["new"]._name

@@ -8,6 +8,7 @@ drifts (up to 2x within minutes on a shared VM) fall on both alike.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import subprocess
 import time
@@ -44,6 +45,19 @@ def build(sources: Path, source: str, out: Path) -> ctypes.CDLL:
         raise SystemExit("no C++ compiler found ($CXX, else g++)")
     subprocess.run([found, *kernels.FLAGS, str(sources / source), "-o", str(out)], check=True)
     return ctypes.CDLL(str(out))
+
+
+def base_option(parser: argparse.ArgumentParser) -> None:
+    """The scripts' `--base`: the revision the working tree is compared against."""
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+
+
+def builds(revision: str, source: str, root: Path) -> Dict[str, ctypes.CDLL]:
+    """{"base": `source` as of `revision`, "new": the working tree's}, built under `root`."""
+    (root / "base").mkdir()
+    return {"base": build(sources_at(revision, source, root / "base"), source,
+                          root / "base.so"),
+            "new": build(kernels.KERNEL_DIR, source, root / "new.so")}
 
 
 def alternate(calls: Dict[str, Callable[[], object]], turns: int) -> Dict[str, List[float]]:
