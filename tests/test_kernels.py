@@ -34,7 +34,9 @@ def test_instruction_set_names_the_kernels_that_run(kernel_path):
 
 @needs_linear
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (49, 30)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+# Row counts that make every tile size of both instruction sets' row tiles (6 on AVX2, 8 on
+# AVX-512): 8 = 6 + 2, 11 = 6 + 5 (8 + 3), 13 = 6 + 6 + 1 (8 + 5), 70 = 11 x 6 + 4 (8 x 8 + 6).
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_float64(out_features, in_features, rows, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)

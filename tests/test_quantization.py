@@ -43,11 +43,12 @@ def quantized_reference(x, q, scale, bias=None):
 
 
 @needs_linear
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 40])
 @pytest.mark.parametrize("out_features,in_features", [(100, 64), (48, 576), (200, 34), (64, 1538)])
 def test_int8_kernel_matches_float64(rows, out_features, in_features):
-    """Any row count (whole and partial register tiles, the parallel quantizer from 16 rows)
-    and any input width (34 and 1538 are not whole quads); exact up to fp32's rounding."""
+    """Any row count (every size of register tile, up to 6 rows on AVX2 and 8 on AVX-512, and
+    the parallel quantizer from two tiles' rows) and any input width (34 and 1538 are not
+    whole quads); exact up to fp32's rounding."""
     torch.manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features) * 0.1
     bias = torch.randn(out_features)

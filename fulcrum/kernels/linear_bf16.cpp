@@ -227,7 +227,12 @@ namespace {
 
 constexpr int kVectors = 2;              // ymm vectors of 8 fp32 columns per panel
 constexpr int kPanel = 8 * kVectors;     // output columns per packed panel
-constexpr int kRows = 4;                 // input rows per register tile
+// Input rows per register tile: 6 rows x 2 vectors are 12 accumulators, and with the step's
+// two widened weight vectors, a broadcast row value and the mask, all 16 ymm registers. Tiles
+// of 4 rows left the loop bound by its instruction count (a shift and a mask per 4 FMAs); on
+// a 2-core Zen 3 EPYC, 6 took a smollm2-135m step's projections 0.89-0.94x the time at 8-512
+// rows (benchmarks/results/linear_ab-avx2.md).
+constexpr int kRows = 6;
 // Each step of a tile's K loop reads one 64-byte line of its panel, and a thread's panels lie
 // end to end, so its weights are one stream. The hardware prefetchers alone kept that stream
 // below the memory's read rate at decode batch sizes, where the stream is all a step waits
@@ -236,11 +241,15 @@ constexpr int kRows = 4;                 // input rows per register tile
 // point past the weights.
 constexpr int kPrefetchBytes = 1280;
 
-// y = acc * scale + bias for one row's `columns` outputs of a panel, stored as bf16 or fp32.
-inline void store_row(const __m256* acc, const float* scale, float row_scale, const float* bias,
-                      void* out, int columns, bool out_f32) {
+// y = acc * scale + bias for one row's `columns` outputs of a panel (its low and high 8
+// columns' sums), stored as bf16 or fp32. Not inlined: its column loop inlined into a tile
+// of 5 or 6 rows kept GCC (12) from keeping the tile's accumulators in registers.
+__attribute__((noinline)) void store_row(__v8sf low, __v8sf high, const float* scale,
+                                         float row_scale, const float* bias, void* out,
+                                         int columns, bool out_f32) {
   alignas(32) float y[kPanel];
-  for (int v = 0; v < kVectors; ++v) _mm256_store_ps(y + 8 * v, acc[v]);
+  _mm256_store_ps(y, low);
+  _mm256_store_ps(y + 8, high);
   for (int c = 0; c < columns; ++c) {
     const float value = y[c] * ((scale ? scale[c] : 1.0f) * row_scale) + (bias ? bias[c] : 0.f);
     if (out_f32) {
@@ -260,38 +269,44 @@ void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
                const float* bias, char* out, int64_t ldo_bytes, int columns, bool out_f32,
                Ahead ahead) {
   constexpr int kSplit = M <= 2 ? 2 : 1;
-  __m256 acc[M][kVectors][kSplit];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < kVectors; ++v)
-      for (int j = 0; j < kSplit; ++j) acc[m][v][j] = _mm256_setzero_ps();
+  __v8sf acc[M][kVectors][kSplit] = {};
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int kp = 0; kp < pairs; ++kp) {
-    __m256 even[kVectors], odd[kVectors];
-    const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
+  const auto step = [&](int kp) __attribute__((always_inline)) {
+    const __m256i* w = reinterpret_cast<const __m256i*>(panel + int64_t{kp} * kPanel * 2);
     _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-    fetch_ahead(ahead, kp);
-    for (int v = 0; v < kVectors; ++v) {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 16));
-      even[v] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-      odd[v] = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
-    }
+    __v8sf b[kVectors];
+    for (int v = 0; v < kVectors; ++v)
+      b[v] = __v8sf(_mm256_slli_epi32(_mm256_loadu_si256(w + v), 16));
     for (int m = 0; m < M; ++m) {
-      const __m256 a0 = _mm256_broadcast_ss(x + m * ldx + 2 * kp);
-      const __m256 a1 = _mm256_broadcast_ss(x + m * ldx + 2 * kp + 1);
-      for (int v = 0; v < kVectors; ++v) {
-        acc[m][v][0] = _mm256_fmadd_ps(a0, even[v], acc[m][v][0]);
-        acc[m][v][kSplit - 1] = _mm256_fmadd_ps(a1, odd[v], acc[m][v][kSplit - 1]);
-      }
+      const __v8sf a = _mm256_broadcast_ss(x + m * ldx + 2 * kp);
+      for (int v = 0; v < kVectors; ++v) acc[m][v][0] = _mm256_fmadd_ps(a, b[v], acc[m][v][0]);
     }
+    for (int v = 0; v < kVectors; ++v)
+      b[v] = __v8sf(_mm256_and_si256(_mm256_loadu_si256(w + v), high));
+    for (int m = 0; m < M; ++m) {
+      const __v8sf a = _mm256_broadcast_ss(x + m * ldx + 2 * kp + 1);
+      for (int v = 0; v < kVectors; ++v)
+        acc[m][v][kSplit - 1] = _mm256_fmadd_ps(a, b[v], acc[m][v][kSplit - 1]);
+    }
+  };
+  // The steps that fetch a line of the next panel, then the rest: one loop that tested
+  // `ahead` on every step was split by GCC into versions that stored every accumulator to
+  // memory on every step.
+  const int fetching = ahead.lines < pairs ? ahead.lines : pairs;
+  int kp = 0;
+  for (; kp < fetching; ++kp) {
+    _mm_prefetch(ahead.start + 64 * int64_t{kp}, _MM_HINT_T0);
+    step(kp);
   }
+  for (; kp < pairs; ++kp) step(kp);
   // Unrolled, so the accumulators stay registers: left a loop over m, it made GCC keep them
   // in memory too, storing every one on every step of the K loop.
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
-    __m256 sum[kVectors];
+    __v8sf sum[kVectors];
     for (int v = 0; v < kVectors; ++v)
-      sum[v] = kSplit == 2 ? _mm256_add_ps(acc[m][v][0], acc[m][v][kSplit - 1]) : acc[m][v][0];
-    store_row(sum, nullptr, 1.0f, bias, out + m * ldo_bytes, columns, out_f32);
+      sum[v] = kSplit == 2 ? acc[m][v][0] + acc[m][v][kSplit - 1] : acc[m][v][0];
+    store_row(sum[0], sum[1], nullptr, 1.0f, bias, out + m * ldo_bytes, columns, out_f32);
   }
 }
 
@@ -327,9 +342,9 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   }
 #pragma GCC unroll 8  // as in tile_bf16
   for (int m = 0; m < M; ++m) {
-    __m256 y[kVectors];
-    for (int v = 0; v < kVectors; ++v) y[v] = _mm256_cvtepi32_ps(__m256i(acc[m][v]));
-    store_row(y, scale, row_scales[m], bias, out + m * ldo_bytes, columns, out_f32);
+    store_row(__v8sf(_mm256_cvtepi32_ps(__m256i(acc[m][0]))),
+              __v8sf(_mm256_cvtepi32_ps(__m256i(acc[m][1]))), scale, row_scales[m], bias,
+              out + m * ldo_bytes, columns, out_f32);
   }
 }
 
