@@ -474,38 +474,103 @@ inline __m256 lanes(unsigned bits, __m256i lane_bits) {
       _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bits), lane_bits));
 }
 
+// The next block's tiles (keys and values, a line of each in turn), fetched a line or so per
+// step: blocks sit anywhere in the cache, beyond the hardware prefetcher's guess, and bursts
+// overflow the miss buffers. A decode spreads the fetches over its score and value loops, a
+// prefill chunk (whose next block serves all its rows) over the score loops alone. On a Zen 3
+// EPYC (`benchmarks/attention_ab.py`, 30 turns), with chunks of 3 query vectors, decodes took
+// 0.90-0.96x the time of the kernel before chunks (pairs, fetching in the score loops) when
+// spread over both loops, and 1.00-1.10x over the score loops alone (2 lines a step there);
+// prefill chunks, 0.99-1.01x over the score loops and 1.00-1.03x over both.
+struct BlockFetch {
+  const char* tiles[2] = {nullptr, nullptr};
+  int64_t line = 0, lines = 0, per_step = 0;
+
+  void step() {
+    for (int64_t k = 0; k < per_step && line < lines; ++k, ++line)
+      _mm_prefetch(tiles[line & 1] + 64 * (line >> 1), _MM_HINT_T0);
+  }
+};
+
+// kChunk query vectors' outputs (rows of `acc`) rescaled by their `correction`, plus their
+// weights `p` times a block's widened value pairs, over the token pairs some row sees
+// (`keep` zeroes the unwritten slots' halves, which may hold NaN). kGroup output vectors of
+// each query vector stay in registers over the block's token pairs. Its own function, so
+// that they do (as for the AVX-512 kernel's add_values). With kFetch, a step of `ahead` per
+// token pair; without, no trace of it in the loop (a no-op step there cost prefill chunks).
+template <int kChunk, int kGroup, int kVecs, bool kFetch>
+__attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
+                                               const float (*p)[16], const float* correction,
+                                               const uint16_t* values, const __m256i* keep,
+                                               unsigned used, BlockFetch& ahead) {
+  BlockFetch fetch = ahead;  // a local: its cursor then stays a register
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
+    __m256 sum[kChunk][kGroup];
+    for (int c = 0; c < kChunk; ++c)
+      for (int v = 0; v < kGroup; ++v)
+        sum[c][v] = _mm256_mul_ps(_mm256_load_ps(acc[c] + 8 * (v0 + v)),
+                                  _mm256_set1_ps(correction[c]));
+    for (int tp = 0; tp < 8; ++tp) {
+      if constexpr (kFetch) fetch.step();
+      if (!(used >> (2 * tp) & 3u)) continue;
+      const uint16_t* pairs = values + tp * kVecs * 8 * 2;
+      for (int v = 0; v < kGroup; ++v) {
+        const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v))));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
+        for (int c = 0; c < kChunk; ++c) {
+          sum[c][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[c][2 * tp]), even, sum[c][v]);
+          sum[c][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[c][2 * tp + 1]), odd, sum[c][v]);
+        }
+      }
+    }
+    for (int c = 0; c < kChunk; ++c)
+      for (int v = 0; v < kGroup; ++v) _mm256_store_ps(acc[c] + 8 * (v0 + v), sum[c][v]);
+  }
+  ahead = fetch;
+}
+
 // The same contract on AVX2 and FMA, in fp32: each query vector takes a block's 16 scores as
 // two vectors of 8 tokens, the keys' (dim, dim + 1) pairs widened in registers; then its
-// exact (fp32) weights times the values' widened (token, token + 1) pairs. Two query vectors
-// go together, so each widened key pair feeds eight independent FMA chains.
-template <int kDim>
-void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
-                       const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                       uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
-                       int num_kv_heads, int group, float scale, int window, float* partial,
-                       const SpanTiles& /* its fetches stay within the item */) {
+// exact (fp32) weights times the values' widened (token, token + 1) pairs. kChunk query
+// vectors go together through both: each widened key pair feeds 4 x kChunk independent FMA
+// chains, and each widened value pair 2 x kChunk, so a widening (a shift, a mask) is paid
+// once per chunk, not per vector. Chunks of 3 (a GQA group of 3, or 6: 12 score chains, all
+// used) fill the 16 ymm registers; chunks of 2 leave less to waste on a last partial chunk.
+template <int kDim, int kChunk>
+void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_t first_len,
+                        const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                        uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
+                        int num_kv_heads, int group, float scale, int window, float* partial,
+                        const SpanTiles& /* its fetches stay within the item */) {
   constexpr int kBlock = 16;
   constexpr int kVecs = kDim / 8;
   constexpr int kTile = kDim * kBlock;
+  // Output vectors of a chunk summed at once: kChunk x kGroup accumulators in registers
+  // (with 3 x 4 of them, GCC spilled some).
+  constexpr int kGroup = kChunk == 3 ? 2 : 4;
+  static_assert(kVecs % kGroup == 0, "whole groups of output vectors");
   const int per_head = rows * group;
   const int vectors = heads * per_head;
-  alignas(32) float query[kMaxVectors + 1][kDim];
-  alignas(32) float acc[kMaxVectors + 1][kDim];
-  float running_max[kMaxVectors + 1], running_sum[kMaxVectors + 1];
-  int row_of[kMaxVectors + 1];
+  // Padded to whole chunks: a padding vector is scored (zeros) and weighted 0, never stored.
+  alignas(32) float query[kMaxVectors + kChunk][kDim];
+  alignas(32) float acc[kMaxVectors + kChunk][kDim];
+  float running_max[kMaxVectors + kChunk], running_sum[kMaxVectors + kChunk];
+  int row_of[kMaxVectors + kChunk];
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
     row_of[i] = r;
     const uint16_t* source = q + r * q_row_stride + ((kv_head + h) * group + g) * kDim;
-    for (int d = 0; d < kDim; ++d) {
-      query[i][d] = bf16_to_float(source[d]) * scale;
-      acc[i][d] = 0.f;
-    }
+    for (int d = 0; d < kDim; ++d) query[i][d] = bf16_to_float(source[d]) * scale;
+  }
+  for (int i = 0; i < vectors + kChunk; ++i) {
+    if (i >= vectors) std::memset(query[i], 0, sizeof query[i]);
+    std::memset(acc[i], 0, sizeof acc[i]);
     running_max[i] = -1e30f;
     running_sum[i] = 0.f;
   }
-  // The partner of an odd last vector: scored alongside it, never used.
-  std::memset(query[vectors], 0, sizeof query[vectors]);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto even = [](__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); };
   auto odd = [&](__m256i bits) { return _mm256_castsi256_ps(_mm256_and_si256(bits, high)); };
@@ -523,55 +588,59 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
     for (int tp = 0; tp < kBlock / 2; ++tp)
       keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
                                                     (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
-    // The next block's tiles, a line per step of the score loops below: blocks sit
-    // anywhere in the cache, beyond the hardware prefetcher's guess, and a burst of
-    // prefetches would overflow the miss buffers (and be dropped).
-    const int64_t next_offset =
-        b + 1 < end_block ? (table[b + 1] * num_kv_heads + kv_head) * kTile : -1;
-    const char* ahead[2] = {
-        next_offset < 0 ? nullptr : reinterpret_cast<const char*>(k_cache + next_offset),
-        next_offset < 0 ? nullptr : reinterpret_cast<const char*>(v_cache + next_offset)};
-    const int64_t lines = next_offset < 0 ? 0 : int64_t{2} * heads * kTile * 2 / 64;
-    const int64_t steps = static_cast<int64_t>(heads) * ((per_head + 1) / 2) * (kDim / 2);
-    const int64_t per_step = (lines + steps - 1) / steps;
-    int64_t line = 0;
+    BlockFetch ahead;
+    if (b + 1 < end_block) {
+      const int64_t next = (table[b + 1] * num_kv_heads + kv_head) * kTile;
+      ahead.tiles[0] = reinterpret_cast<const char*>(k_cache + next);
+      ahead.tiles[1] = reinterpret_cast<const char*>(v_cache + next);
+      ahead.lines = int64_t{2} * heads * kTile * 2 / 64;
+      const int value_steps = rows == 1 ? kVecs / kGroup * kBlock / 2 : 0;
+      const int64_t steps =
+          int64_t{heads} * ((per_head + kChunk - 1) / kChunk) * (kDim / 2 + value_steps);
+      ahead.per_step = (ahead.lines + steps - 1) / steps;
+    }
     for (int h = 0; h < heads; ++h) {
       const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
       const __m256i* keys = reinterpret_cast<const __m256i*>(k_cache + offset);
       const uint16_t* values = v_cache + offset;
-      for (int i0 = h * per_head; i0 < (h + 1) * per_head; i0 += 2) {
-        const int pair = std::min(2, (h + 1) * per_head - i0);
-        __m256 scores[2][2][2] = {};  // [vector][tokens 0-7, 8-15][dim even, odd]
+      for (int i0 = h * per_head; i0 < (h + 1) * per_head; i0 += kChunk) {
+        const int count = std::min(kChunk, (h + 1) * per_head - i0);
+        // [vector][tokens 0-7, 8-15][dim even, odd]
+        __m256 scores[kChunk][2][2];
+        for (int c = 0; c < kChunk; ++c)
+          for (int half = 0; half < 2; ++half)
+            scores[c][half][0] = scores[c][half][1] = _mm256_setzero_ps();
         for (int dp = 0; dp < kDim / 2; ++dp) {
-          for (int64_t k = 0; k < per_step && line < lines; ++k, ++line)
-            _mm_prefetch(ahead[line & 1] + 64 * (line >> 1), _MM_HINT_T0);
-          const __m256i lo = _mm256_loadu_si256(keys + 2 * dp);
-          const __m256i hi = _mm256_loadu_si256(keys + 2 * dp + 1);
-          for (int c = 0; c < 2; ++c) {
-            const __m256 q0 = _mm256_broadcast_ss(&query[i0 + c][2 * dp]);
-            const __m256 q1 = _mm256_broadcast_ss(&query[i0 + c][2 * dp + 1]);
-            scores[c][0][0] = _mm256_fmadd_ps(q0, even(lo), scores[c][0][0]);
-            scores[c][0][1] = _mm256_fmadd_ps(q1, odd(lo), scores[c][0][1]);
-            scores[c][1][0] = _mm256_fmadd_ps(q0, even(hi), scores[c][1][0]);
-            scores[c][1][1] = _mm256_fmadd_ps(q1, odd(hi), scores[c][1][1]);
+          ahead.step();
+          for (int parity = 0; parity < 2; ++parity) {
+            const __m256i lo = _mm256_loadu_si256(keys + 2 * dp);
+            const __m256i hi = _mm256_loadu_si256(keys + 2 * dp + 1);
+            const __m256 k_lo = parity ? odd(lo) : even(lo);
+            const __m256 k_hi = parity ? odd(hi) : even(hi);
+            for (int c = 0; c < kChunk; ++c) {
+              const __m256 qd = _mm256_broadcast_ss(&query[i0 + c][2 * dp + parity]);
+              scores[c][0][parity] = _mm256_fmadd_ps(qd, k_lo, scores[c][0][parity]);
+              scores[c][1][parity] = _mm256_fmadd_ps(qd, k_hi, scores[c][1][parity]);
+            }
           }
         }
         // Summed at constant indices, so the accumulators stay registers: read in the
         // loop over a run-time count below, GCC kept them in memory, a store per FMA.
-        __m256 block_scores[2][2];
-#pragma GCC unroll 2
-        for (int c = 0; c < 2; ++c)
+        __m256 block_scores[kChunk][2];
+#pragma GCC unroll 4
+        for (int c = 0; c < kChunk; ++c)
 #pragma GCC unroll 2
           for (int half = 0; half < 2; ++half)
             block_scores[c][half] = _mm256_add_ps(scores[c][half][0], scores[c][half][1]);
-        // Both vectors' softmax updates first, then both value products: each update is a
+        // The chunk's softmax updates first, then its value products: each update is a
         // long dependent chain (a maximum, exponentials, a sum) that the value products
-        // must wait for; one after the other, the two chains overlap (prefill chunks were
-        // measurably faster on a Zen 3 EPYC, with the two changes below).
-        alignas(32) float p[2][kBlock];
-        float tile_max[2], shift[2] = {0.f, 0.f}, block_sum[2];
-        bool live[2] = {false, false};
-        for (int c = 0; c < pair; ++c) {
+        // must wait for; one after the other, the chains overlap (prefill chunks were
+        // measurably faster on a Zen 3 EPYC, with the two changes below). A vector its row
+        // does not see in this block (or padding) keeps weights 0 and a rescale of 1.
+        alignas(32) float p[kChunk][kBlock] = {};
+        float tile_max[kChunk], shift[8] = {}, block_sum[kChunk];
+        bool live[kChunk] = {};
+        for (int c = 0; c < count; ++c) {
           const int i = i0 + c;
           const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
           if (!visible) continue;
@@ -597,39 +666,23 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
           }
           block_sum[c] = fulcrum::sum_of(total);
         }
-        // Both rescale factors in one vector exponential: a call to libm's would spill every
+        // All rescale factors in one vector exponential: a call to libm's would spill every
         // vector register. (Its clamp at e^-87 leaves a first block's factor above 0, but
         // what that factor scales is still all zeros.)
         alignas(32) float correction[8];
-        _mm256_store_ps(correction,
-                        fulcrum::exp256(_mm256_setr_ps(shift[0], shift[1], 0, 0, 0, 0, 0, 0)));
-        for (int c = 0; c < pair; ++c) {
+        _mm256_store_ps(correction, fulcrum::exp256(_mm256_loadu_ps(shift)));
+        for (int c = 0; c < count; ++c) {
           if (!live[c]) continue;
           const int i = i0 + c;
           running_max[i] = tile_max[c];
           running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
-          // kGroup output vectors at a time stay in registers over the block's token pairs.
-          constexpr int kGroup = kVecs < 8 ? kVecs : 8;
-          for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
-            __m256 sum[kGroup];
-            for (int v = 0; v < kGroup; ++v)
-              sum[v] = _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * (v0 + v)),
-                                     _mm256_set1_ps(correction[c]));
-            for (int tp = 0; tp < kBlock / 2; ++tp) {
-              if (!(used >> (2 * tp) & 3u)) continue;
-              const __m256 p0 = _mm256_set1_ps(p[c][2 * tp]);
-              const __m256 p1 = _mm256_set1_ps(p[c][2 * tp + 1]);
-              const uint16_t* pairs = values + tp * kDim * 2;
-              for (int v = 0; v < kGroup; ++v) {
-                const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v))));
-                sum[v] = _mm256_fmadd_ps(p0, even(bits), sum[v]);
-                sum[v] = _mm256_fmadd_ps(p1, odd(bits), sum[v]);
-              }
-            }
-            for (int v = 0; v < kGroup; ++v) _mm256_store_ps(acc[i] + 8 * (v0 + v), sum[v]);
-          }
         }
+        if (rows == 1)
+          add_values_avx2<kChunk, kGroup, kVecs, true>(acc + i0, p, correction, values, keep,
+                                                       used, ahead);
+        else
+          add_values_avx2<kChunk, kGroup, kVecs, false>(acc + i0, p, correction, values, keep,
+                                                        used, ahead);
       }
     }
   }
@@ -648,8 +701,8 @@ void attend_pairs_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64_
 }
 
 template <int kDim>
-AttendFn pick_attend(int, int) {
-  return attend_pairs_avx2<kDim>;
+AttendFn pick_attend(int, int group) {
+  return group % 3 == 0 ? attend_chunks_avx2<kDim, 3> : attend_chunks_avx2<kDim, 2>;
 }
 #endif
 
