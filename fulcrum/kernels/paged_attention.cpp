@@ -544,7 +544,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
                         const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                         uint16_t* out, int64_t out_row_stride, int kv_head, int heads,
                         int num_kv_heads, int group, float scale, int window, float* partial,
-                        const SpanTiles& /* its fetches stay within the item */) {
+                        const SpanTiles& after) {
   constexpr int kBlock = 16;
   constexpr int kVecs = kDim / 8;
   constexpr int kTile = kDim * kBlock;
@@ -588,12 +588,19 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
     for (int tp = 0; tp < kBlock / 2; ++tp)
       keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
                                                     (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
+    // The last block fetches the first of the item the thread likely takes next (`after`).
     BlockFetch ahead;
     if (b + 1 < end_block) {
       const int64_t next = (table[b + 1] * num_kv_heads + kv_head) * kTile;
       ahead.tiles[0] = reinterpret_cast<const char*>(k_cache + next);
       ahead.tiles[1] = reinterpret_cast<const char*>(v_cache + next);
       ahead.lines = int64_t{2} * heads * kTile * 2 / 64;
+    } else if (after.count >= 2) {
+      ahead.tiles[0] = after.tiles[0];
+      ahead.tiles[1] = after.tiles[1];
+      ahead.lines = 2 * after.bytes / 64;
+    }
+    if (ahead.lines) {
       const int value_steps = rows == 1 ? kVecs / kGroup * kBlock / 2 : 0;
       const int64_t steps =
           int64_t{heads} * ((per_head + kChunk - 1) / kChunk) * (kDim / 2 + value_steps);
