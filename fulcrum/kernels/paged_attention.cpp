@@ -474,6 +474,16 @@ inline __m256 lanes(unsigned bits, __m256i lane_bits) {
       _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bits), lane_bits));
 }
 
+// A 32-bit lane's (low, high) bf16 pair widened to fp32: the low value (a shift), the high
+// one (a mask).
+inline __m256 low_halves(__m256i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline __m256 high_halves(__m256i bits) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // The next block's tiles (keys and values, a line of each in turn), fetched a line or so per
 // step: blocks sit anywhere in the cache, beyond the hardware prefetcher's guess, and bursts
 // overflow the miss buffers. A decode spreads the fetches over its score and value loops, a
@@ -504,7 +514,6 @@ __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
                                                const uint16_t* values, const __m256i* keep,
                                                unsigned used, BlockFetch& ahead) {
   BlockFetch fetch = ahead;  // a local: its cursor then stays a register
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
     __m256 sum[kChunk][kGroup];
     for (int c = 0; c < kChunk; ++c)
@@ -518,8 +527,7 @@ __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
       for (int v = 0; v < kGroup; ++v) {
         const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v))));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
+        const __m256 even = low_halves(bits), odd = high_halves(bits);
         for (int c = 0; c < kChunk; ++c) {
           sum[c][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[c][2 * tp]), even, sum[c][v]);
           sum[c][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[c][2 * tp + 1]), odd, sum[c][v]);
@@ -554,6 +562,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
   static_assert(kVecs % kGroup == 0, "whole groups of output vectors");
   const int per_head = rows * group;
   const int vectors = heads * per_head;
+  const bool fetch_in_values = rows == 1;  // a decode (see BlockFetch)
   // Padded to whole chunks: a padding vector is scored (zeros) and weighted 0, never stored.
   alignas(32) float query[kMaxVectors + kChunk][kDim];
   alignas(32) float acc[kMaxVectors + kChunk][kDim];
@@ -571,9 +580,6 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
     running_max[i] = -1e30f;
     running_sum[i] = 0.f;
   }
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  auto even = [](__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); };
-  auto odd = [&](__m256i bits) { return _mm256_castsi256_ps(_mm256_and_si256(bits, high)); };
   const __m256i low_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i high_bits = _mm256_slli_epi32(low_bits, 8);
   const __m256 floor = _mm256_set1_ps(-1e30f);
@@ -601,7 +607,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
       ahead.lines = 2 * after.bytes / 64;
     }
     if (ahead.lines) {
-      const int value_steps = rows == 1 ? kVecs / kGroup * kBlock / 2 : 0;
+      const int value_steps = fetch_in_values ? kVecs / kGroup * kBlock / 2 : 0;
       const int64_t steps =
           int64_t{heads} * ((per_head + kChunk - 1) / kChunk) * (kDim / 2 + value_steps);
       ahead.per_step = (ahead.lines + steps - 1) / steps;
@@ -619,11 +625,13 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
             scores[c][half][0] = scores[c][half][1] = _mm256_setzero_ps();
         for (int dp = 0; dp < kDim / 2; ++dp) {
           ahead.step();
+          // The key pairs loaded again for the high halves: the chunk's 12 chains, two
+          // widened keys and a broadcast take every register.
           for (int parity = 0; parity < 2; ++parity) {
             const __m256i lo = _mm256_loadu_si256(keys + 2 * dp);
             const __m256i hi = _mm256_loadu_si256(keys + 2 * dp + 1);
-            const __m256 k_lo = parity ? odd(lo) : even(lo);
-            const __m256 k_hi = parity ? odd(hi) : even(hi);
+            const __m256 k_lo = parity ? high_halves(lo) : low_halves(lo);
+            const __m256 k_hi = parity ? high_halves(hi) : low_halves(hi);
             for (int c = 0; c < kChunk; ++c) {
               const __m256 qd = _mm256_broadcast_ss(&query[i0 + c][2 * dp + parity]);
               scores[c][0][parity] = _mm256_fmadd_ps(qd, k_lo, scores[c][0][parity]);
@@ -684,7 +692,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
           running_max[i] = tile_max[c];
           running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
         }
-        if (rows == 1)
+        if (fetch_in_values)
           add_values_avx2<kChunk, kGroup, kVecs, true>(acc + i0, p, correction, values, keep,
                                                        used, ahead);
         else
