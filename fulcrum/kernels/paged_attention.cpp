@@ -484,21 +484,26 @@ inline __m256 high_halves(__m256i bits) {
       _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// The next block's tiles (keys and values, a line of each in turn), fetched a line or so per
-// step: blocks sit anywhere in the cache, beyond the hardware prefetcher's guess, and bursts
-// overflow the miss buffers. A decode spreads the fetches over its score and value loops, a
-// prefill chunk (whose next block serves all its rows) over the score loops alone. On a Zen 3
-// EPYC (`benchmarks/attention_ab.py`, 30 turns), with chunks of 3 query vectors, decodes took
-// 0.90-0.96x the time of the kernel before chunks (pairs, fetching in the score loops) when
-// spread over both loops, and 1.00-1.10x over the score loops alone (2 lines a step there);
-// prefill chunks, 0.99-1.01x over the score loops and 1.00-1.03x over both.
-struct BlockFetch {
-  const char* tiles[2] = {nullptr, nullptr};
-  int64_t line = 0, lines = 0, per_step = 0;
+// A tile of the next block (its keys, or its values), fetched a line per step of the loop
+// that reads this block's tiles of the same kind: blocks sit anywhere in the cache, beyond the
+// hardware prefetcher's guess, and bursts overflow the miss buffers. A head's score loop
+// (kDim / 2 steps) fetches the next block's kDim / 2 key lines of one head, its value loop as
+// many value lines (one or two a step), so a chunk fetches what it reads, as it reads. A
+// cursor of two registers and one branch a step: the fetch before, a line of either tile in
+// turn from a loop of `per_step` lines, cost a decode ~20% of its time with the cache in L2.
+// On a Zen 3 EPYC (`benchmarks/attention_ab.py`, against that fetch), prefill chunks took
+// 0.80-0.87x the time, decodes from memory 0.89-0.99x, and decodes whose cache stays in L3
+// 0.79-0.84x (outputs equal bit for bit); the block after next instead: 1.02-1.05x.
+struct LineFetch {
+  const char* next = nullptr;
+  int64_t left = 0;
 
   void step() {
-    for (int64_t k = 0; k < per_step && line < lines; ++k, ++line)
-      _mm_prefetch(tiles[line & 1] + 64 * (line >> 1), _MM_HINT_T0);
+    if (left > 0) {
+      _mm_prefetch(next, _MM_HINT_T0);
+      next += 64;
+      --left;
+    }
   }
 };
 
@@ -506,14 +511,14 @@ struct BlockFetch {
 // weights `p` times a block's widened value pairs, over the token pairs some row sees
 // (`keep` zeroes the unwritten slots' halves, which may hold NaN). kGroup output vectors of
 // each query vector stay in registers over the block's token pairs. Its own function, so
-// that they do (as for the AVX-512 kernel's add_values). With kFetch, a step of `ahead` per
-// token pair; without, no trace of it in the loop (a no-op step there cost prefill chunks).
-template <int kChunk, int kGroup, int kVecs, bool kFetch>
+// that they do (as for the AVX-512 kernel's add_values). Each token pair steps `ahead` as
+// many times as it reads lines (kGroup / 2).
+template <int kChunk, int kGroup, int kVecs>
 __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
                                                const float (*p)[16], const float* correction,
                                                const uint16_t* values, const __m256i* keep,
-                                               unsigned used, BlockFetch& ahead) {
-  BlockFetch fetch = ahead;  // a local: its cursor then stays a register
+                                               unsigned used, LineFetch& ahead) {
+  LineFetch fetch = ahead;  // a local: its cursor then stays a register
   for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
     __m256 sum[kChunk][kGroup];
     for (int c = 0; c < kChunk; ++c)
@@ -521,7 +526,7 @@ __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
         sum[c][v] = _mm256_mul_ps(_mm256_load_ps(acc[c] + 8 * (v0 + v)),
                                   _mm256_set1_ps(correction[c]));
     for (int tp = 0; tp < 8; ++tp) {
-      if constexpr (kFetch) fetch.step();
+      for (int f = 0; f < kGroup / 2; ++f) fetch.step();
       if (!(used >> (2 * tp) & 3u)) continue;
       const uint16_t* pairs = values + tp * kVecs * 8 * 2;
       for (int v = 0; v < kGroup; ++v) {
@@ -562,7 +567,6 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
   static_assert(kVecs % kGroup == 0, "whole groups of output vectors");
   const int per_head = rows * group;
   const int vectors = heads * per_head;
-  const bool fetch_in_values = rows == 1;  // a decode (see BlockFetch)
   // Padded to whole chunks: a padding vector is scored (zeros) and weighted 0, never stored.
   alignas(32) float query[kMaxVectors + kChunk][kDim];
   alignas(32) float acc[kMaxVectors + kChunk][kDim];
@@ -595,22 +599,14 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
       keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
                                                     (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
     // The last block fetches the first of the item the thread likely takes next (`after`).
-    BlockFetch ahead;
+    LineFetch next_keys, next_values;
     if (b + 1 < end_block) {
       const int64_t next = (table[b + 1] * num_kv_heads + kv_head) * kTile;
-      ahead.tiles[0] = reinterpret_cast<const char*>(k_cache + next);
-      ahead.tiles[1] = reinterpret_cast<const char*>(v_cache + next);
-      ahead.lines = int64_t{2} * heads * kTile * 2 / 64;
+      next_keys = {reinterpret_cast<const char*>(k_cache + next), heads * kTile * 2 / 64};
+      next_values = {reinterpret_cast<const char*>(v_cache + next), heads * kTile * 2 / 64};
     } else if (after.count >= 2) {
-      ahead.tiles[0] = after.tiles[0];
-      ahead.tiles[1] = after.tiles[1];
-      ahead.lines = 2 * after.bytes / 64;
-    }
-    if (ahead.lines) {
-      const int value_steps = fetch_in_values ? kVecs / kGroup * kBlock / 2 : 0;
-      const int64_t steps =
-          int64_t{heads} * ((per_head + kChunk - 1) / kChunk) * (kDim / 2 + value_steps);
-      ahead.per_step = (ahead.lines + steps - 1) / steps;
+      next_keys = {after.tiles[0], after.bytes / 64};
+      next_values = {after.tiles[1], after.bytes / 64};
     }
     for (int h = 0; h < heads; ++h) {
       const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
@@ -624,7 +620,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
           for (int half = 0; half < 2; ++half)
             scores[c][half][0] = scores[c][half][1] = _mm256_setzero_ps();
         for (int dp = 0; dp < kDim / 2; ++dp) {
-          ahead.step();
+          next_keys.step();
           // The key pairs loaded again for the high halves: the chunk's 12 chains, two
           // widened keys and a broadcast take every register.
           for (int parity = 0; parity < 2; ++parity) {
@@ -692,12 +688,8 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
           running_max[i] = tile_max[c];
           running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
         }
-        if (fetch_in_values)
-          add_values_avx2<kChunk, kGroup, kVecs, true>(acc + i0, p, correction, values, keep,
-                                                       used, ahead);
-        else
-          add_values_avx2<kChunk, kGroup, kVecs, false>(acc + i0, p, correction, values, keep,
-                                                        used, ahead);
+        add_values_avx2<kChunk, kGroup, kVecs>(acc + i0, p, correction, values, keep, used,
+                                               next_values);
       }
     }
   }
