@@ -484,41 +484,29 @@ inline __m256 high_halves(__m256i bits) {
       _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// A tile of the next block (its keys, or its values), fetched a line per step of the loop
-// that reads this block's tiles of the same kind: blocks sit anywhere in the cache, beyond the
-// hardware prefetcher's guess, and bursts overflow the miss buffers. A head's score loop
-// (kDim / 2 steps) fetches the next block's kDim / 2 key lines of one head, its value loop as
-// many value lines (one or two a step), so a chunk fetches what it reads, as it reads. A
-// cursor of two registers and one branch a step: the fetch before, a line of either tile in
-// turn from a loop of `per_step` lines, cost a decode ~20% of its time with the cache in L2.
-// On a Zen 3 EPYC (`benchmarks/attention_ab.py`, against that fetch), prefill chunks took
-// 0.80-0.87x the time, decodes from memory 0.89-0.99x, and decodes whose cache stays in L3
-// 0.79-0.84x (outputs equal bit for bit); the block after next instead: 1.02-1.05x.
-struct LineFetch {
-  const char* next = nullptr;
-  int64_t left = 0;
-
-  void step() {
-    if (left > 0) {
-      _mm_prefetch(next, _MM_HINT_T0);
-      next += 64;
-      --left;
-    }
-  }
-};
+// A decode's next block (or a prefill chunk's, which serves all its rows) is fetched as the
+// block is read: blocks sit anywhere in the cache, beyond the hardware prefetcher's guess,
+// and bursts overflow the miss buffers. Each head's first chunk fetches the head's tiles of
+// the next block, a key line per step of its score loop (kDim / 2 steps, kDim / 2 lines) and
+// a value line per value pair it reads (kGroup / 2 a step of its value loop), so every step
+// fetches what it reads, and with no test in the loops (split by hand) that a step does.
+// On a Zen 3 EPYC (`benchmarks/attention_ab.py`), against a cursor stepped in every loop
+// (a test a step) which itself had taken prefill chunks 0.80-0.87x and decodes from memory
+// 0.89-0.99x the time of a loop alternating between the tiles: decodes 0.97x from memory,
+// 0.89-0.95x with their cache in L2 or L3, prefill chunks 0.94x. Fetching the block after
+// next instead: 1.02-1.05x.
 
 // kChunk query vectors' outputs (rows of `acc`) rescaled by their `correction`, plus their
 // weights `p` times a block's widened value pairs, over the token pairs some row sees
 // (`keep` zeroes the unwritten slots' halves, which may hold NaN). kGroup output vectors of
 // each query vector stay in registers over the block's token pairs. Its own function, so
-// that they do (as for the AVX-512 kernel's add_values). Each token pair steps `ahead` as
-// many times as it reads lines (kGroup / 2).
-template <int kChunk, int kGroup, int kVecs>
+// that they do (as for the AVX-512 kernel's add_values). kFull: every token pair is written
+// and seen (no `keep`, no test); kFetch: each token pair fetches kGroup / 2 lines at `fetch`.
+template <int kChunk, int kGroup, int kVecs, bool kFull, bool kFetch>
 __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
                                                const float (*p)[16], const float* correction,
                                                const uint16_t* values, const __m256i* keep,
-                                               unsigned used, LineFetch& ahead) {
-  LineFetch fetch = ahead;  // a local: its cursor then stays a register
+                                               unsigned used, const char* fetch) {
   for (int v0 = 0; v0 < kVecs; v0 += kGroup) {
     __m256 sum[kChunk][kGroup];
     for (int c = 0; c < kChunk; ++c)
@@ -526,12 +514,14 @@ __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
         sum[c][v] = _mm256_mul_ps(_mm256_load_ps(acc[c] + 8 * (v0 + v)),
                                   _mm256_set1_ps(correction[c]));
     for (int tp = 0; tp < 8; ++tp) {
-      for (int f = 0; f < kGroup / 2; ++f) fetch.step();
-      if (!(used >> (2 * tp) & 3u)) continue;
+      if constexpr (kFetch)
+        for (int f = 0; f < kGroup / 2; ++f, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T0);
+      if (!kFull && !(used >> (2 * tp) & 3u)) continue;
       const uint16_t* pairs = values + tp * kVecs * 8 * 2;
       for (int v = 0; v < kGroup; ++v) {
-        const __m256i bits = _mm256_and_si256(keep[tp], _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v))));
+        __m256i bits = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(pairs + 16 * (v0 + v)));
+        if (!kFull) bits = _mm256_and_si256(keep[tp], bits);
         const __m256 even = low_halves(bits), odd = high_halves(bits);
         for (int c = 0; c < kChunk; ++c) {
           sum[c][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[c][2 * tp]), even, sum[c][v]);
@@ -542,7 +532,6 @@ __attribute__((noinline)) void add_values_avx2(float (*acc)[kVecs * 8],
     for (int c = 0; c < kChunk; ++c)
       for (int v = 0; v < kGroup; ++v) _mm256_store_ps(acc[c] + 8 * (v0 + v), sum[c][v]);
   }
-  ahead = fetch;
 }
 
 // The same contract on AVX2 and FMA, in fp32: each query vector takes a block's 16 scores as
@@ -598,15 +587,19 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
     for (int tp = 0; tp < kBlock / 2; ++tp)
       keep[tp] = _mm256_set1_epi32(static_cast<int>((used >> (2 * tp) & 1u ? 0xFFFFu : 0u) |
                                                     (used >> (2 * tp) & 2u ? 0xFFFF0000u : 0u)));
+    const bool all_used = used == 0xFFFFu;
     // The last block fetches the first of the item the thread likely takes next (`after`).
-    LineFetch next_keys, next_values;
+    const char *next_keys = nullptr, *next_values = nullptr;
+    int next_heads = 0;
     if (b + 1 < end_block) {
       const int64_t next = (table[b + 1] * num_kv_heads + kv_head) * kTile;
-      next_keys = {reinterpret_cast<const char*>(k_cache + next), heads * kTile * 2 / 64};
-      next_values = {reinterpret_cast<const char*>(v_cache + next), heads * kTile * 2 / 64};
+      next_keys = reinterpret_cast<const char*>(k_cache + next);
+      next_values = reinterpret_cast<const char*>(v_cache + next);
+      next_heads = heads;
     } else if (after.count >= 2) {
-      next_keys = {after.tiles[0], after.bytes / 64};
-      next_values = {after.tiles[1], after.bytes / 64};
+      next_keys = after.tiles[0];
+      next_values = after.tiles[1];
+      next_heads = static_cast<int>(after.bytes / (kTile * 2));
     }
     for (int h = 0; h < heads; ++h) {
       const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
@@ -619,8 +612,10 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
         for (int c = 0; c < kChunk; ++c)
           for (int half = 0; half < 2; ++half)
             scores[c][half][0] = scores[c][half][1] = _mm256_setzero_ps();
-        for (int dp = 0; dp < kDim / 2; ++dp) {
-          next_keys.step();
+        // A head's first chunk fetches the head's tiles of the next block.
+        const bool fetch = i0 == h * per_head && h < next_heads;
+        const int64_t tile_bytes = int64_t{h} * kTile * 2;
+        const auto score_step = [&](int dp) __attribute__((always_inline)) {
           // The key pairs loaded again for the high halves: the chunk's 12 chains, two
           // widened keys and a broadcast take every register.
           for (int parity = 0; parity < 2; ++parity) {
@@ -634,6 +629,14 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
               scores[c][1][parity] = _mm256_fmadd_ps(qd, k_hi, scores[c][1][parity]);
             }
           }
+        };
+        if (fetch) {
+          for (int dp = 0; dp < kDim / 2; ++dp) {
+            _mm_prefetch(next_keys + tile_bytes + 64 * dp, _MM_HINT_T0);
+            score_step(dp);
+          }
+        } else {
+          for (int dp = 0; dp < kDim / 2; ++dp) score_step(dp);
         }
         // Summed at constant indices, so the accumulators stay registers: read in the
         // loop over a run-time count below, GCC kept them in memory, a store per FMA.
@@ -688,8 +691,20 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
           running_max[i] = tile_max[c];
           running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
         }
-        add_values_avx2<kChunk, kGroup, kVecs>(acc + i0, p, correction, values, keep, used,
-                                               next_values);
+        // Direct calls: through a table of the four, decodes took 1.01-1.04x the time.
+        const char* value_fetch = next_values + tile_bytes;
+        if (all_used && fetch)
+          add_values_avx2<kChunk, kGroup, kVecs, true, true>(acc + i0, p, correction, values,
+                                                             keep, used, value_fetch);
+        else if (all_used)
+          add_values_avx2<kChunk, kGroup, kVecs, true, false>(acc + i0, p, correction, values,
+                                                              keep, used, value_fetch);
+        else if (fetch)
+          add_values_avx2<kChunk, kGroup, kVecs, false, true>(acc + i0, p, correction, values,
+                                                              keep, used, value_fetch);
+        else
+          add_values_avx2<kChunk, kGroup, kVecs, false, false>(acc + i0, p, correction, values,
+                                                               keep, used, value_fetch);
       }
     }
   }
