@@ -492,9 +492,10 @@ inline __m256 high_halves(__m256i bits) {
 // fetches what it reads, and with no test in the loops (split by hand) that a step does.
 // On a Zen 3 EPYC (`benchmarks/attention_ab.py`), against a cursor stepped in every loop
 // (a test a step) which itself had taken prefill chunks 0.80-0.87x and decodes from memory
-// 0.89-0.99x the time of a loop alternating between the tiles: decodes 0.97x from memory,
-// 0.89-0.95x with their cache in L2 or L3, prefill chunks 0.94x. Fetching the block after
-// next instead: 1.02-1.05x.
+// 0.89-0.99x the time of a loop alternating between the tiles: decodes 0.97-0.99x from
+// memory, 0.89-0.95x with their cache in L2 or L3, prefill chunks 0.94x (both changes
+// together: benchmarks/results/attention_ab-avx2.md). Fetching the block after next instead:
+// 1.02-1.05x.
 
 // kChunk query vectors' outputs (rows of `acc`) rescaled by their `correction`, plus their
 // weights `p` times a block's widened value pairs, over the token pairs some row sees
@@ -692,7 +693,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
           running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
         }
         // Direct calls: through a table of the four, decodes took 1.01-1.04x the time.
-        const char* value_fetch = next_values + tile_bytes;
+        const char* value_fetch = fetch ? next_values + tile_bytes : nullptr;
         if (all_used && fetch)
           add_values_avx2<kChunk, kGroup, kVecs, true, true>(acc + i0, p, correction, values,
                                                              keep, used, value_fetch);
