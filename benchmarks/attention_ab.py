@@ -76,7 +76,8 @@ def run_case(kernels_by_build: Dict[str, Kernel], lens: Sequence[int], new: Sequ
     row_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM  # queries read in place from fused QKV rows
     q = torch.randn(rows, row_width, generator=generator).bfloat16()
     seq_lens = torch.tensor(lens, dtype=torch.int64)
-    outs = {name: torch.empty(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16) for name in kernels_by_build}
+    outs = {name: torch.empty(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+            for name in kernels_by_build}
 
     def step(name: str) -> None:
         for layer in range(layers):

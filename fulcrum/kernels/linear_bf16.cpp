@@ -75,9 +75,18 @@ struct Ahead {
   int lines = 0;
 };
 
-inline void fetch_ahead(Ahead ahead, int step) {
-  if (step < ahead.lines)
-    _mm_prefetch(ahead.start + 64 * static_cast<int64_t>(step), _MM_HINT_T0);
+// step(k) for every k in [0, steps), the first `ahead.lines` steps each fetching a line of
+// `ahead` first. Two loops, not one testing `ahead` every step: GCC (12) split that one into
+// versions that stored every accumulator of a 5- or 6-row AVX2 tile to memory every step.
+template <typename Step>
+inline void k_loop(int steps, Ahead ahead, const Step& step) {
+  const int fetching = ahead.lines < steps ? ahead.lines : steps;
+  int k = 0;
+  for (; k < fetching; ++k) {
+    _mm_prefetch(ahead.start + 64 * int64_t{k}, _MM_HINT_T0);
+    step(k);
+  }
+  for (; k < steps; ++k) step(k);
 }
 
 }  // namespace
@@ -133,16 +142,15 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int pairs,
     for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
-  for (int kp = 0; kp < pairs; ++kp) {
+  k_loop(pairs, ahead, [&](int kp) __attribute__((always_inline)) {
     __m512bh b[kVectors];
     const uint16_t* w = panel + static_cast<int64_t>(kp) * kPanel * 2;
-    fetch_ahead(ahead, kp);
     for (int v = 0; v < kVectors; ++v) b[v] = as_bh(_mm512_loadu_si512(w + v * 32));
     for (int m = 0; m < M; ++m) {
       const __m512bh a = as_bh(_mm512_set1_epi32(rows[m][kp]));
       for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
     }
-  }
+  });
   for (int m = 0; m < M; ++m)
     store_row(acc[m], nullptr, 1.0f, bias, out + m * ldo_bytes, columns, out_f32);
 }
@@ -160,16 +168,15 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
     for (int v = 0; v < kVectors; ++v) acc[m][v] = __v16si{};
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
-  for (int kq = 0; kq < quads; ++kq) {
+  k_loop(quads, ahead, [&](int kq) __attribute__((always_inline)) {
     __m512i b[kVectors];
     const int8_t* w = panel + static_cast<int64_t>(kq) * kPanel * 4;
-    fetch_ahead(ahead, kq);
     for (int v = 0; v < kVectors; ++v) b[v] = _mm512_loadu_si512(w + v * 64);
     for (int m = 0; m < M; ++m) {
       const __m512i a = _mm512_set1_epi32(rows[m][kq]);
       for (int v = 0; v < kVectors; ++v) acc[m][v] = dpbusd(acc[m][v], a, b[v]);
     }
-  }
+  });
   const int32_t* sums = reinterpret_cast<const int32_t*>(panel + static_cast<int64_t>(quads)
                                                          * kPanel * 4);
   for (int m = 0; m < M; ++m) {
@@ -271,7 +278,7 @@ void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
   constexpr int kSplit = M <= 2 ? 2 : 1;
   __v8sf acc[M][kVectors][kSplit] = {};
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const auto step = [&](int kp) __attribute__((always_inline)) {
+  k_loop(pairs, ahead, [&](int kp) __attribute__((always_inline)) {
     const __m256i* w = reinterpret_cast<const __m256i*>(panel + int64_t{kp} * kPanel * 2);
     _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     __v8sf b[kVectors];
@@ -288,17 +295,7 @@ void tile_bf16(const float* x, int64_t ldx, const uint16_t* panel, int pairs,
       for (int v = 0; v < kVectors; ++v)
         acc[m][v][kSplit - 1] = _mm256_fmadd_ps(a, b[v], acc[m][v][kSplit - 1]);
     }
-  };
-  // The steps that fetch a line of the next panel, then the rest: one loop that tested
-  // `ahead` on every step was split by GCC into versions that stored every accumulator to
-  // memory on every step.
-  const int fetching = ahead.lines < pairs ? ahead.lines : pairs;
-  int kp = 0;
-  for (; kp < fetching; ++kp) {
-    _mm_prefetch(ahead.start + 64 * int64_t{kp}, _MM_HINT_T0);
-    step(kp);
-  }
-  for (; kp < pairs; ++kp) step(kp);
+  });
   // Unrolled, so the accumulators stay registers: left a loop over m, it made GCC keep them
   // in memory too, storing every one on every step of the K loop.
 #pragma GCC unroll 8
@@ -324,11 +321,10 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
   const __m256i ones = _mm256_set1_epi16(1);
   const int32_t* rows[M];
   for (int m = 0; m < M; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
-  for (int kq = 0; kq < quads; ++kq) {
+  k_loop(quads, ahead, [&](int kq) __attribute__((always_inline)) {
     __m256i b[kVectors];
     const int8_t* w = panel + static_cast<int64_t>(kq) * kPanel * 4;
     _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-    fetch_ahead(ahead, kq);
     for (int v = 0; v < kVectors; ++v)
       b[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 32));
     for (int m = 0; m < M; ++m) {
@@ -339,7 +335,7 @@ void tile_int8(const uint8_t* x, int64_t ldx, const float* row_scales, const int
         acc[m][v] += __v8si(_mm256_madd_epi16(pairs, ones));
       }
     }
-  }
+  });
 #pragma GCC unroll 8  // as in tile_bf16
   for (int m = 0; m < M; ++m) {
     store_row(__v8sf(_mm256_cvtepi32_ps(__m256i(acc[m][0]))),
