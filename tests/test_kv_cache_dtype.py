@@ -9,9 +9,10 @@ from fulcrum import LLM, SamplingParams
 
 
 def test_bfloat16_cache_reproduces_real_model_greedy_reference(stories_dir, kernel_path):
+    """On the CPU, whose backends the two kernel paths choose between."""
     cases = json.loads((stories_dir / "greedy_reference.json").read_text())["cases"]
     llm = LLM(str(stories_dir), kv_cache_dtype="bfloat16", max_num_batched_tokens=16,
-              max_num_seqs=4)
+              max_num_seqs=4, device="cpu")
     engine = llm.llm_engine
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert engine.dtype == torch.float32

@@ -208,7 +208,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     inner = blocks[torch.arange(rows, device=probs.device), chosen.squeeze(1)].cumsum(
         dim=-1, dtype=torch.float64)
     # Strictly below the block's own total, which its sum above may miss by a rounding.
-    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros(())))
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], inner.new_zeros(())))
     return (chosen * block + torch.searchsorted(inner, rest, right=True)).squeeze(1)
 
 
