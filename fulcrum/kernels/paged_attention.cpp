@@ -494,7 +494,7 @@ inline __m256 high_halves(__m256i bits) {
 // (a test a step) which itself had taken prefill chunks 0.80-0.87x and decodes from memory
 // 0.89-0.99x the time of a loop alternating between the tiles: decodes 0.97-0.99x from
 // memory, 0.89-0.95x with their cache in L2 or L3, prefill chunks 0.94x (both changes
-// together: benchmarks/results/attention_ab-avx2.md). Fetching the block after next instead:
+// together: benchmarks/results/attention_ab-avx2.md as of ce84012). Fetching the block after next instead:
 // 1.02-1.05x.
 
 // kChunk query vectors' outputs (rows of `acc`) rescaled by their `correction`, plus their
@@ -561,6 +561,11 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
   alignas(32) float query[kMaxVectors + kChunk][kDim];
   alignas(32) float acc[kMaxVectors + kChunk][kDim];
   float running_max[kMaxVectors + kChunk], running_sum[kMaxVectors + kChunk];
+  // A block's scores, then weights, of every query vector, and their softmax updates (the
+  // rescale factors are computed eight at a time from a head's first vector: room for 7 more).
+  constexpr int kSlots = kMaxVectors + kChunk + 7;
+  alignas(32) float p[kSlots][kBlock];
+  float shift[kSlots] = {}, correction[kSlots], block_sum[kSlots];
   int row_of[kMaxVectors + kChunk];
   for (int i = 0; i < vectors; ++i) {
     const int h = i / per_head, r = i % per_head / group, g = i % group;
@@ -606,16 +611,24 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
       const int64_t offset = (table[b] * num_kv_heads + kv_head + h) * kTile;
       const __m256i* keys = reinterpret_cast<const __m256i*>(k_cache + offset);
       const uint16_t* values = v_cache + offset;
-      for (int i0 = h * per_head; i0 < (h + 1) * per_head; i0 += kChunk) {
-        const int count = std::min(kChunk, (h + 1) * per_head - i0);
+      // The head's vectors [first, last), its chunks' slots up to `end` (past `last`: the
+      // next head's first vectors, or padding, weighted 0 here).
+      const int first = h * per_head, last = first + per_head;
+      const int end = first + (per_head + kChunk - 1) / kChunk * kChunk;
+      // A head's first chunk fetches the head's tiles of the next block.
+      const bool fetch_head = h < next_heads;
+      const int64_t tile_bytes = int64_t{h} * kTile * 2;
+      // Three passes over the head's chunks: their scores, then each vector's softmax
+      // update, then their value products. An update is a long dependent chain (a maximum,
+      // exponentials, a sum) that the value products wait for: the chains of a prefill
+      // tile's 30 vectors overlap when done together, where one chunk's three could not
+      // hide theirs between its scores and its values.
+      for (int i0 = first; i0 < last; i0 += kChunk) {
         // [vector][tokens 0-7, 8-15][dim even, odd]
         __m256 scores[kChunk][2][2];
         for (int c = 0; c < kChunk; ++c)
           for (int half = 0; half < 2; ++half)
             scores[c][half][0] = scores[c][half][1] = _mm256_setzero_ps();
-        // A head's first chunk fetches the head's tiles of the next block.
-        const bool fetch = i0 == h * per_head && h < next_heads;
-        const int64_t tile_bytes = int64_t{h} * kTile * 2;
         const auto score_step = [&](int dp) __attribute__((always_inline)) {
           // The key pairs loaded again for the high halves: the chunk's 12 chains, two
           // widened keys and a broadcast take every register.
@@ -631,7 +644,7 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
             }
           }
         };
-        if (fetch) {
+        if (fetch_head && i0 == first) {
           for (int dp = 0; dp < kDim / 2; ++dp) {
             _mm_prefetch(next_keys + tile_bytes + 64 * dp, _MM_HINT_T0);
             score_step(dp);
@@ -639,73 +652,70 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
         } else {
           for (int dp = 0; dp < kDim / 2; ++dp) score_step(dp);
         }
-        // Summed at constant indices, so the accumulators stay registers: read in the
-        // loop over a run-time count below, GCC kept them in memory, a store per FMA.
-        __m256 block_scores[kChunk][2];
+        // Summed at constant indices, so the accumulators stay registers: read at run-time
+        // indices, GCC kept them in memory, a store per FMA.
 #pragma GCC unroll 4
         for (int c = 0; c < kChunk; ++c)
 #pragma GCC unroll 2
           for (int half = 0; half < 2; ++half)
-            block_scores[c][half] = _mm256_add_ps(scores[c][half][0], scores[c][half][1]);
-        // The chunk's softmax updates first, then its value products: each update is a
-        // long dependent chain (a maximum, exponentials, a sum) that the value products
-        // must wait for; one after the other, the chains overlap (prefill chunks were
-        // measurably faster on a Zen 3 EPYC, with the two changes below). A vector its row
-        // does not see in this block (or padding) keeps weights 0 and a rescale of 1.
-        alignas(32) float p[kChunk][kBlock] = {};
-        float tile_max[kChunk], shift[8] = {}, block_sum[kChunk];
-        bool live[kChunk] = {};
-        for (int c = 0; c < count; ++c) {
-          const int i = i0 + c;
-          const unsigned visible = visible_tokens(b, first_len + row_of[i], window);
-          if (!visible) continue;
-          live[c] = true;
-          __m256 s[2] = {block_scores[c][0], block_scores[c][1]};
-          const bool full = visible == 0xFFFFu;  // no mask: most blocks of a prefill
-          __m256 seen[2];
-          if (!full) {
-            seen[0] = lanes(visible, low_bits);
-            seen[1] = lanes(visible, high_bits);
-            for (int half = 0; half < 2; ++half)
-              s[half] = _mm256_blendv_ps(floor, s[half], seen[half]);
-          }
-          tile_max[c] = std::max(running_max[i], fulcrum::max_of(_mm256_max_ps(s[0], s[1])));
-          shift[c] = running_max[i] - tile_max[c];
-          __m256 total = _mm256_setzero_ps();
-          for (int half = 0; half < 2; ++half) {
-            __m256 weight =
-                fulcrum::exp256(_mm256_sub_ps(s[half], _mm256_set1_ps(tile_max[c])));
-            if (!full) weight = _mm256_and_ps(weight, seen[half]);
-            _mm256_store_ps(p[c] + 8 * half, weight);
-            total = _mm256_add_ps(total, weight);
-          }
-          block_sum[c] = fulcrum::sum_of(total);
+            _mm256_store_ps(p[i0 + c] + 8 * half,
+                            _mm256_add_ps(scores[c][half][0], scores[c][half][1]));
+      }
+      // Scores become weights in place (a vector its row does not see in this block, or a
+      // slot past the head's vectors, gets weights 0 and a rescale of 1).
+      for (int i = first; i < end; ++i) {
+        const unsigned visible =
+            i < last ? visible_tokens(b, first_len + row_of[i], window) : 0u;
+        if (!visible) {
+          std::memset(p[i], 0, sizeof p[i]);
+          shift[i] = block_sum[i] = 0.f;
+          continue;
         }
-        // All rescale factors in one vector exponential: a call to libm's would spill every
-        // vector register. (Its clamp at e^-87 leaves a first block's factor above 0, but
-        // what that factor scales is still all zeros.)
-        alignas(32) float correction[8];
-        _mm256_store_ps(correction, fulcrum::exp256(_mm256_loadu_ps(shift)));
-        for (int c = 0; c < count; ++c) {
-          if (!live[c]) continue;
-          const int i = i0 + c;
-          running_max[i] = tile_max[c];
-          running_sum[i] = running_sum[i] * correction[c] + block_sum[c];
+        __m256 s[2] = {_mm256_load_ps(p[i]), _mm256_load_ps(p[i] + 8)};
+        const bool full = visible == 0xFFFFu;  // no mask: most blocks of a prefill
+        __m256 seen[2];
+        if (!full) {
+          seen[0] = lanes(visible, low_bits);
+          seen[1] = lanes(visible, high_bits);
+          for (int half = 0; half < 2; ++half)
+            s[half] = _mm256_blendv_ps(floor, s[half], seen[half]);
         }
+        const float tile_max =
+            std::max(running_max[i], fulcrum::max_of(_mm256_max_ps(s[0], s[1])));
+        shift[i] = running_max[i] - tile_max;
+        running_max[i] = tile_max;
+        __m256 total = _mm256_setzero_ps();
+        for (int half = 0; half < 2; ++half) {
+          __m256 weight = fulcrum::exp256(_mm256_sub_ps(s[half], _mm256_set1_ps(tile_max)));
+          if (!full) weight = _mm256_and_ps(weight, seen[half]);
+          _mm256_store_ps(p[i] + 8 * half, weight);
+          total = _mm256_add_ps(total, weight);
+        }
+        block_sum[i] = fulcrum::sum_of(total);
+      }
+      // The rescale factors eight at a time in one vector exponential: a call to libm's
+      // would spill every vector register. (Its clamp at e^-87 leaves a first block's
+      // factor above 0, but what that factor scales is still all zeros.)
+      for (int i = first; i < end; i += 8)
+        _mm256_storeu_ps(correction + i, fulcrum::exp256(_mm256_loadu_ps(shift + i)));
+      for (int i = first; i < last; ++i)
+        running_sum[i] = running_sum[i] * correction[i] + block_sum[i];
+      for (int i0 = first; i0 < last; i0 += kChunk) {
+        const char* value_fetch =
+            fetch_head && i0 == first ? next_values + tile_bytes : nullptr;
         // Direct calls: through a table of the four, decodes took 1.01-1.04x the time.
-        const char* value_fetch = fetch ? next_values + tile_bytes : nullptr;
-        if (all_used && fetch)
-          add_values_avx2<kChunk, kGroup, kVecs, true, true>(acc + i0, p, correction, values,
-                                                             keep, used, value_fetch);
+        if (all_used && value_fetch)
+          add_values_avx2<kChunk, kGroup, kVecs, true, true>(acc + i0, p + i0, correction + i0,
+                                                             values, keep, used, value_fetch);
         else if (all_used)
-          add_values_avx2<kChunk, kGroup, kVecs, true, false>(acc + i0, p, correction, values,
-                                                              keep, used, value_fetch);
-        else if (fetch)
-          add_values_avx2<kChunk, kGroup, kVecs, false, true>(acc + i0, p, correction, values,
-                                                              keep, used, value_fetch);
+          add_values_avx2<kChunk, kGroup, kVecs, true, false>(acc + i0, p + i0, correction + i0,
+                                                              values, keep, used, value_fetch);
+        else if (value_fetch)
+          add_values_avx2<kChunk, kGroup, kVecs, false, true>(acc + i0, p + i0, correction + i0,
+                                                              values, keep, used, value_fetch);
         else
-          add_values_avx2<kChunk, kGroup, kVecs, false, false>(acc + i0, p, correction, values,
-                                                               keep, used, value_fetch);
+          add_values_avx2<kChunk, kGroup, kVecs, false, false>(acc + i0, p + i0, correction + i0,
+                                                               values, keep, used, value_fetch);
       }
     }
   }
