@@ -10,9 +10,10 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
-from fulcrum.bench.latency import (kernel_roofline_s, measure, step_work, summary,
-                                   workload_flops)
+from fulcrum.bench.latency import (BandwidthProbe, kernel_roofline_s, measure, step_work,
+                                   summary, workload_flops)
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
 from fulcrum.sampling_params import SamplingParams
@@ -34,6 +35,20 @@ def test_step_work_counts_weights_and_cache(engine):
     kv_bytes = 3 * 10 * spec.num_layers * 2 * kv * 4
     assert work["bytes"] == params * 4 + kv_bytes
     assert work["flops"] == 2 * params * 3 + 4 * 3 * 10 * spec.num_layers * q
+
+
+def test_the_bandwidth_probe_reads_the_memory_of_the_weights_device():
+    """On a GPU the probe's array is in the GPU's memory, not the host's (the meta device
+    stands in for one here: it allocates nothing and computes nothing)."""
+    probe = BandwidthProbe(torch.device("meta"))
+    assert probe.data.device.type == "meta"
+    assert probe.data.numel() * 4 == 512 << 20
+    probe()
+    assert len(probe.readings) == 1 and probe.readings[0] > 0
+    host = BandwidthProbe()
+    assert host.data.device.type == "cpu" and host.data.numel() * 4 == 512 << 20
+    host()
+    assert len(host.readings) == 1
 
 
 def test_measure_times_full_batch_decode_steps(engine, llama_dir):

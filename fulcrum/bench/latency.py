@@ -8,7 +8,8 @@ The model runs with its weights as loaded and with int8 (`--quantizations`),
 side by side: runs alternate between the two engines, so the machine's drifts hit both.
 
 The machine's limits are measured here too, on the same cores: the memory bandwidth by a probe
-(summing a 512 MiB float32 array on huge pages, as the weights are) after every decode step,
+(summing a 512 MiB float32 array where the weights live: on huge pages on a CPU, in the GPU's
+own memory on a GPU) after every decode step,
 each batch size judged against the median of the probes between its own steps, since this
 machine's bandwidth drifts by up to 2x within a minute (a bound measured once, minutes away,
 would judge a step against another machine); and the matrix-multiply peak of each engine's
@@ -30,7 +31,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -62,18 +63,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------- machine limits
-class BandwidthProbe:
-    """Reads of a 512 MiB array on huge pages as the weights are (kernels.huge_page_tensor: on
-    4 KiB pages the same sum reads slower, which would flatter every figure judged against
-    it); each call appends one reading, in bytes per second."""
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for `device`'s queued work, so that a wall clock times it."""
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
-    def __init__(self) -> None:
-        self.data = kernels.huge_page_tensor(BANDWIDTH_BYTES).view(torch.float32).fill_(1.0)
+
+class BandwidthProbe:
+    """Reads of a 512 MiB array in the memory the weights are in: on a CPU, on huge pages as
+    the weights are (kernels.huge_page_tensor: on 4 KiB pages the same sum reads slower, which
+    would flatter every figure judged against it); on a GPU, in its own memory, not the
+    host's. Each call appends one reading, in bytes per second."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        if device.type == "cpu":
+            self.data = kernels.huge_page_tensor(BANDWIDTH_BYTES).view(torch.float32)
+        else:
+            self.data = torch.empty(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
+        self.data.fill_(1.0)
+        self.done = synchronizer(device)
         self.readings: List[float] = []
 
     def __call__(self) -> None:
+        self.done()
         start = time.perf_counter()
         self.data.sum()
+        self.done()
         self.readings.append(BANDWIDTH_BYTES / (time.perf_counter() - start))
 
 
@@ -85,7 +99,7 @@ def measure_peak_flops(model: Any, dtype: torch.dtype, repeats: int = 5) -> floa
     layer = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     device = next(model.parameters()).device
     rows = torch.randn(512, layer.in_features, dtype=dtype, device=device)
-    done = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    done = synchronizer(device)
     best = float("inf")
     with torch.inference_mode():
         layer(rows)
@@ -250,7 +264,8 @@ def measure(engines: Dict[str, LLMEngine], batch_sizes: Sequence[int], input_len
     timed: Dict[str, Dict[int, List[StepStats]]] = {label: {b: [] for b in batch_sizes}
                                                     for label in engines}
     probed: Dict[int, List[float]] = {}
-    probe = BandwidthProbe()
+    # One device for all the engines compared (they are built alike but for their weights).
+    probe = BandwidthProbe(next(iter(engines.values())).device)
     for batch in batch_sizes:
         probe.readings = probed[batch] = []  # the probes between this batch size's steps
         for _ in range(runs):

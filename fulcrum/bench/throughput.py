@@ -122,7 +122,7 @@ def measure_fulcrum(model_dir: str, engine_kwargs: Dict[str, Any],
         steps = list(engine.stats)[first_step:]
         result.flops = workload_flops(model, prompt_lens, output_lens)
         # The probe's 512 MiB comes after the peak RSS is read, so as not to count in it.
-        probe = BandwidthProbe()
+        probe = BandwidthProbe(engine.device)
         for _ in range(PROBES):
             probe()
         result.matrix_peak_flops = max(peak, measure_peak_flops(model, engine.dtype))
