@@ -19,7 +19,6 @@ caches in one contiguous pass, and the table gives new's rate as a share of that
 from __future__ import annotations
 
 import ctypes
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from fulcrum import kernels
 from fulcrum.bench.kernel_ab import alternate, base_option, builds, short_revision
-from fulcrum.bench.report import machine_facts, results_name
+from fulcrum.bench.report import machine_facts, results_name, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "paged_attention.cpp"
@@ -123,12 +122,10 @@ def main() -> None:
             print(f"{name}: new / base {results[name]['ratio']:.3f}", flush=True)
     machine = machine_facts()
     data = {"base": base, "turns": TURNS, "cases": results, "machine": machine}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = ["# Paged attention: the working tree's kernel against an earlier one", "",
              f"bf16 paged attention (`paged_varlen_attention_bf16`), the working tree against "
-             f"{base}, both built here and run in turns ({TURNS} turns after a warm-up, each first in half of them) in one "
-             f"process; smollm2-135m shape ({HEADS} query heads, {KV_HEADS} KV heads of "
+             f"{base}, both built here and run in turns ({TURNS} turns after a warm-up, each "
+             f"first in half of them) in one process; smollm2-135m shape ({HEADS} query heads, {KV_HEADS} KV heads of "
              f"{HEAD_DIM}), a cache per layer on huge pages, blocks in random order; medians; "
              f"{machine['cpu']}, {machine['cores']} cores, fulcrum's kernels: "
              f"{machine['kernels']}; {machine['date']}. Regenerate: `{command}`.", "",
@@ -143,8 +140,7 @@ def main() -> None:
                 else "- | -")
         lines.append(f"| {name} | {r['layers']} | {r['ms']['base']:.2f} | {r['ms']['new']:.2f} "
                      f"| {r['ratio']:.3f} | {r['max_abs_diff']:.2g} | {read} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(RESULTS, stem, data, lines)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ llama.cpp's with `bash benchmarks/peers/llama-cpp.sh install` (LLAMA_CPP_DIR lik
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 from fulcrum.bench.datasets import SampleRequest
 from fulcrum.bench.report import (free_port, fulcrum_command, llama_cpp_command, llama_cpp_gguf,
                                   llama_cpp_version, machine_facts, results_name, running_server,
-                                  vllm_command, vllm_version)
+                                  vllm_command, vllm_version, write_results)
 from fulcrum.bench.serve import make_client, run_load, served_model, warm_up
 from fulcrum.bench.shapes import shape_dir
 
@@ -101,8 +100,6 @@ def main() -> None:
     data = {"rounds": ROUNDS, "requests": REQUESTS, "prompt_tokens": PROMPT,
             "output_tokens": OUTPUT, "results": results, "peer_versions": versions,
             "machine": machine_facts()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     machine = data["machine"]
     lines = ["# One request decoding alone: fulcrum beside vLLM and llama.cpp", "",
              f"smollm2-135m shape, random weights, one streaming client, {REQUESTS} requests one "
@@ -120,8 +117,7 @@ def main() -> None:
         each = ", ".join(f"{v:.1f}" for v in r["tpot_ms_per_round"])
         lines.append(f"| {name} | {r['tpot_ms_median']:.1f} | {each} |"
                      + "".join(f" {r['vs'][b]['median']:.2f}x |" for b in baselines))
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(RESULTS, stem, data, lines)
 
 
 if __name__ == "__main__":

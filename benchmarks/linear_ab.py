@@ -15,7 +15,6 @@ be equal, bit for bit.
 from __future__ import annotations
 
 import ctypes
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from fulcrum import kernels
 from fulcrum.bench.kernel_ab import alternate, base_option, builds, short_revision
-from fulcrum.bench.report import machine_facts, results_name
+from fulcrum.bench.report import machine_facts, results_name, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "linear_bf16.cpp"
@@ -118,9 +117,6 @@ def main() -> None:
                 results[dtype][rows] = result
                 print(f"{dtype}, {rows} rows: new / base {result['ratio']:.3f}", flush=True)
     machine = machine_facts()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"base": base, "turns": TURNS, "cases": results, "machine": machine}, indent=2) + "\n")
     lines = ["# Linear layers: the working tree's kernel against an earlier one", "",
              f"`fulcrum_linear_bf16` and `fulcrum_linear_int8`, the working tree against "
              f"{base}, both built here and run in turns ({TURNS} turns after a warm-up, each "
@@ -137,8 +133,8 @@ def main() -> None:
             lines.append(f"| {dtype} | {rows} | {r['ms']['base']:.2f} | {r['ms']['new']:.2f} "
                          f"| {r['ratio']:.3f} | {r['quartiles'][0]:.3f}-{r['quartiles'][1]:.3f} "
                          f"| {'yes' if r['equal'] else '**no**'} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(RESULTS, stem, {"base": base, "turns": TURNS, "cases": results,
+                                  "machine": machine}, lines)
 
 
 if __name__ == "__main__":

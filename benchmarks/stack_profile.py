@@ -19,7 +19,6 @@ embedding lookup. Medians over rounds.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from fulcrum.bench.datasets import SampleRequest, random_requests
-from fulcrum.bench.report import machine_facts, results_name
+from fulcrum.bench.report import machine_facts, results_name, write_results
 from fulcrum.bench.shapes import shape_dir
 from fulcrum.bench.throughput import run_isolated
 
@@ -83,13 +82,9 @@ def main() -> None:
             print(f"round {number}, {name}: {run['elapsed_s']:.1f} s, attention "
                   f"{run['seconds']['attention']:.2f} s", flush=True)
     machine = machine_facts()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"num_prompts": NUM_PROMPTS, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
-         "rounds": ROUNDS, "runs": runs, "machine": machine}, indent=2) + "\n")
-    page = "\n".join(_page(runs, machine, command)) + "\n"
-    (RESULTS / f"{stem}.md").write_text(page)
-    print(page)
+    write_results(RESULTS, stem, {"num_prompts": NUM_PROMPTS, "prompt_tokens": PROMPT,
+                                  "output_tokens": OUTPUT, "rounds": ROUNDS, "runs": runs,
+                                  "machine": machine}, _page(runs, machine, command))
 
 
 def _page(runs: Dict[str, List[Dict[str, Any]]], machine: Dict[str, Any],

@@ -22,14 +22,13 @@ run: the least time this machine allows, memory included.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
 from fulcrum.bench.datasets import random_requests
-from fulcrum.bench.report import machine_facts, results_name
+from fulcrum.bench.report import machine_facts, results_name, write_results
 from fulcrum.bench.shapes import shape_dir
 from fulcrum.bench.throughput import measure_fulcrum, run_isolated
 
@@ -59,8 +58,6 @@ def main() -> None:
                for name, values in runs.items()}
     data = {"num_prompts": NUM_PROMPTS, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
             "rounds": ROUNDS, "runs": runs, "medians": summary, "machine": machine_facts()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     machine = data["machine"]
     flops = runs["bfloat16"][0]["flops"]
     lines = ["# The throughput workload against the compute roofline", "",
@@ -85,8 +82,7 @@ def main() -> None:
                      f"{100 * m['share_of_roofline']:.0f}% | {each} | "
                      f"{m['bandwidth'] / 1e9:.1f} | {m['kernel_roofline_s']:.1f} | "
                      f"{100 * m['share_of_kernel_roofline']:.0f}% | {each_kernel} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(RESULTS, stem, data, lines)
 
 
 if __name__ == "__main__":

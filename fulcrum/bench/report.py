@@ -369,6 +369,16 @@ def results_name(script: str, doc: str, default: str,
     return args.name, command, args
 
 
+def write_results(folder: Path, stem: str, data: Dict[str, Any], lines: List[str]) -> None:
+    """A benchmark's results: `stem`.json (everything) and `stem`.md (its page, `lines`, also
+    printed) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    page = "\n".join(lines) + "\n"
+    (folder / f"{stem}.md").write_text(page)
+    print(page, end="")
+
+
 def machine_facts() -> Dict[str, Any]:
     import torch
 
