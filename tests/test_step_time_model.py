@@ -94,7 +94,9 @@ def test_follows_a_machine_that_slows_down():
 
 def test_once_warm_the_fit_is_solved_every_few_steps_from_all_of_them():
     """Solving is the costly part of an update; the sums still take in every step, so the
-    coefficients after a solve are those of a model solved at every step."""
+    coefficients after a solve are those of a model solved at every step (to rounding: a
+    fold of many steps at once sums in another order; a step weighed wrongly would be off by
+    percents)."""
     rng = random.Random(5)
     lazy, eager = StepTimeModel(), StepTimeModel()
     shapes = [random_shape(rng) for _ in range(40)]
@@ -104,15 +106,15 @@ def test_once_warm_the_fit_is_solved_every_few_steps_from_all_of_them():
         eager.update(shape, truth(shape))
         eager._solve()
         if index <= step_time_model._WARM_UPDATES or index % step_time_model._SOLVE_EVERY == 0:
-            assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-9)
+            assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-8)
         else:
             assert lazy.coefficients == before
     lazy.update(shapes[0], 2 * truth(shapes[0]))
     eager.update(shapes[0], 2 * truth(shapes[0]))
     lazy.anchor_here()  # solves the step seen since the last solve
     eager.anchor_here()
-    assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-9)
-    assert lazy.anchor == pytest.approx(eager.anchor, rel=1e-9)
+    assert lazy.coefficients == pytest.approx(eager.coefficients, rel=1e-8)
+    assert lazy.anchor == pytest.approx(eager.anchor, rel=1e-8)
 
 
 def test_no_wind_up_after_many_identical_steps():

@@ -28,9 +28,10 @@ _MIN_SURPRISE_S = 2e-3
 _UNANCHORED_RIDGE = 1e-9
 # Once warm, the fit is solved every this many steps, and the steps seen since the last solve
 # are folded into its sums then, at once: numpy right after a forward pass runs on caches
-# the weights have just swept (~10 us a call; a solve ~170 us), a few percent of a batch-1
-# decode step; a coefficient a few steps old changes no decision.
-_SOLVE_EVERY = 4
+# the weights have just swept, where a fold and a solve take several hundred microseconds,
+# most of a percent of a batch-1 decode step even every fourth step. The fit forgets over
+# about fifty steps anyway: coefficients a dozen steps old change no decision.
+_SOLVE_EVERY = 16
 
 
 @dataclass
