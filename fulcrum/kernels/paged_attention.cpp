@@ -494,8 +494,8 @@ inline __m256 high_halves(__m256i bits) {
 // (a test a step) which itself had taken prefill chunks 0.80-0.87x and decodes from memory
 // 0.89-0.99x the time of a loop alternating between the tiles: decodes 0.97-0.99x from
 // memory, 0.89-0.95x with their cache in L2 or L3, prefill chunks 0.94x (both changes
-// together: benchmarks/results/attention_ab-avx2.md as of ce84012). Fetching the block after next instead:
-// 1.02-1.05x.
+// together: benchmarks/results/attention_ab-avx2.md as of ce84012). Fetching the block after
+// next instead: 1.02-1.05x.
 
 // kChunk query vectors' outputs (rows of `acc`) rescaled by their `correction`, plus their
 // weights `p` times a block's widened value pairs, over the token pairs some row sees
@@ -622,7 +622,10 @@ void attend_chunks_avx2(const uint16_t* q, int64_t q_row_stride, int rows, int64
       // update, then their value products. An update is a long dependent chain (a maximum,
       // exponentials, a sum) that the value products wait for: the chains of a prefill
       // tile's 30 vectors overlap when done together, where one chunk's three could not
-      // hide theirs between its scores and its values.
+      // hide theirs between its scores and its values (on a Zen 3 EPYC, prefill chunks
+      // 0.90-0.93x the time: benchmarks/results/attention_ab-avx2.md). A decode's head is
+      // one chunk, its order as before: passes over all the heads at once made decodes from
+      // memory 1.07-1.19x slower (0.96x with their cache in L2; why, not established).
       for (int i0 = first; i0 < last; i0 += kChunk) {
         // [vector][tokens 0-7, 8-15][dim even, odd]
         __m256 scores[kChunk][2][2];
