@@ -232,6 +232,31 @@ def test_forget_restarts_a_requests_generator():
     assert len(set(first)) > 1
 
 
+def test_every_tensor_the_sampler_makes_is_on_the_logits_device():
+    """A tensor made without a device lands on the default one, the CPU, which on a GPU is
+    not where the logits are (random sampling once failed on every row on CUDA so). With the
+    default device switched to `meta`, any such tensor meets the CPU logits and fails here,
+    on a machine without a GPU; every feature of the sampler takes part."""
+    logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    bad = row("bad words", output=[5, 6], temperature=0.8)
+    bad.bad_words_token_ids = [[6, 7], [9]]
+    rows = [row("plain"), row("seeded", seed=3, temperature=0.7),
+            row("filtered", top_k=5, top_p=0.8, min_p=0.05),
+            row("penalised", output=[3, 3, 7], repetition_penalty=1.3,
+                frequency_penalty=0.5, presence_penalty=0.2),
+            row("controlled", logit_bias={4: 5.0}, allowed_token_ids=[1, 2, 4, 9]),
+            bad, row("min tokens", stop=[2], min_tokens=3, temperature=0.5),
+            row("greedy", temperature=0.0, logprobs=3)]
+    expected = Sampler(0, CPU)(logits.clone(), rows)
+    torch.set_default_device("meta")
+    try:
+        sampled = Sampler(0, CPU)(logits.clone(), rows)
+    finally:
+        torch.set_default_device(None)
+    assert [t.token_id for t in sampled] == [t.token_id for t in expected]
+    assert sampled[-1].logprobs == expected[-1].logprobs
+
+
 # ------------------------------------------------------------------- logprobs
 def test_logprobs_report_rank_and_top_k_of_raw_distribution():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])

@@ -207,7 +207,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tokens, num_heads, head_dim = q.shape
     if not _heads_contiguous(q):
         q = q.contiguous()
-    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
+    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     status = paged_attention().paged_varlen_attention_bf16(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -262,7 +262,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     padded_out = -(-out_features // panel) * panel
     padded_in = -(-in_features // group) * group
-    full = torch.zeros(padded_out, padded_in, dtype=weight.dtype)
+    full = torch.zeros(padded_out, padded_in, dtype=weight.dtype, device=weight.device)
     full[:out_features, :in_features] = weight
     panels = full.view(padded_out // panel, panel, padded_in // group, group).permute(0, 2, 1, 3)
     if group == 2:
@@ -283,7 +283,7 @@ def huge_page_tensor(nbytes: int) -> torch.Tensor:
     edge, so a core's stream stalls every 4 KiB; on 2 MiB pages it runs on (`fulcrum bench
     latency` measures the bandwidth on such pages too)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     # whole huge pages from an aligned start: room for one more than `nbytes` needs
     length = (-(-nbytes // HUGE_PAGE) + 1) * HUGE_PAGE
     # private: a shared anonymous mapping is shmem, which has huge pages of its own setting
@@ -341,7 +341,7 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
         rows = rows.to(torch.bfloat16).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype)
+    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype, device=rows.device)
     library = _linear_library()
     common = (out.data_ptr(), out.stride(0), rows.shape[0], out_features, rows.shape[1],
               int(out_dtype == torch.float32), torch.get_num_threads())
@@ -394,7 +394,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x: [..., width], each row contiguous; residual contiguous, of x's shape."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)  # a view where the strides allow, else a copy
-    out = torch.empty(rows.shape, dtype=torch.bfloat16)
+    out = torch.empty(rows.shape, dtype=torch.bfloat16, device=rows.device)
     _check(_elementwise_library().fulcrum_rms_norm_bf16(
         rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), out.data_ptr(), out.stride(0), rows.shape[0], width, eps,
@@ -406,7 +406,7 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [..., 2 * width] (gate first), contiguous."""
     gate_up = gate_up.contiguous()
     width = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16, device=gate_up.device)
     _check(_elementwise_library().fulcrum_silu_mul_bf16(
         gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1), width,
         torch.get_num_threads()), "silu_mul_bf16")
@@ -441,7 +441,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if (library is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
             or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0):
         return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     _check(library.fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
                                       logits.shape[1], out.data_ptr(), torch.get_num_threads()),
            "argmax")
