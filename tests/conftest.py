@@ -97,6 +97,19 @@ def stories_dir() -> Path:
     return STORIES_DIR
 
 
+def load_benchmark(script: str) -> Any:
+    """benchmarks/`script` (a file, not a package) imported as a module, for its tests."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem + "_bench",
+                                                  REPO / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
 def hf_greedy(model_dir: Path, prompt_ids: list, max_new_tokens: int) -> list:
     """HF transformers' greedy continuation of one prompt (token ids only, EOS ignored)."""
     import transformers as tf

@@ -4,28 +4,15 @@ requests, with the slo policy's ordering and chunk sizing at work. No timing ass
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from fulcrum.core.scheduling_policy import StepTimeLimit
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduling_cost.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("scheduling_cost_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("scheduling_cost.py")
 
 TINY = dict(num_running=8, max_num_batched_tokens=32, block_size=4, running_prompt=(8, 24),
             waiting_prompt=(10, 40), finish_every=8, warmup_steps=8, timed_steps=32,

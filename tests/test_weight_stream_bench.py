@@ -5,27 +5,14 @@ linear kernels computes what the kernel computes called alone. No timing asserti
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_benchmark
 from fulcrum import kernels
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "weight_stream.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("weight_stream_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("weight_stream.py")
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "for_rows.h"
 #include "vector_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -574,18 +575,11 @@ int fulcrum_linear_int8(const uint16_t* x, int64_t ldx, const int8_t* packed,
   row_scales.resize(M);
   uint8_t* q = quantized.data();
   float* s = row_scales.data();
-  const auto quantize = [&](int m) {
-    quantize_row(x + m * ldx, K, ld, q + static_cast<int64_t>(m) * ld, s + m);
-  };
   // Fewer rows than two tiles are quantized on the calling thread: a team would cost more
-  // than their work. A plain branch, not an `if` clause on the pragma, under which libgomp
-  // still starts (and joins) a team of one thread, every call.
-  if (M < 2 * kRows) {
-    for (int m = 0; m < M; ++m) quantize(m);
-  } else {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int m = 0; m < M; ++m) quantize(m);
-  }
+  // than their work.
+  fulcrum::for_rows(M, num_threads, [&](int m) {
+    quantize_row(x + m * ldx, K, ld, q + static_cast<int64_t>(m) * ld, s + m);
+  }, 2 * kRows);
   const int64_t panel_size = static_cast<int64_t>(quads) * kPanel * 4 + kPanel * 4;
   const int64_t item = out_f32 ? 4 : 2;
   char* base = static_cast<char*>(out);
