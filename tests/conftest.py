@@ -98,10 +98,13 @@ def stories_dir() -> Path:
 
 
 def load_benchmark(script: str) -> Any:
-    """benchmarks/`script` (a file, not a package) imported as a module, for its tests."""
+    """benchmarks/`script` (a file, not a package) imported as a module, for its tests; with
+    its folder on the path, as when it runs, for the scripts it imports."""
     import importlib.util
     import sys
 
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.append(str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(Path(script).stem + "_bench",
                                                   REPO / "benchmarks" / script)
     module = importlib.util.module_from_spec(spec)
