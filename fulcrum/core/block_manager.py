@@ -6,6 +6,16 @@ block is also named by a hash chain of its tokens, so a later request with the s
 reuses it. A block whose count drops to zero goes to the tail of a least-recently-used free
 queue but keeps its contents and name until it is taken again (lazy eviction), so a prefix
 can hit even after every request that wrote it has finished.
+
+A request's next block is, where it can be, the block physically after its last one: the
+attention kernels read a sequence's blocks in table order, and adjacent blocks read as one
+longer run of memory. Taken only from the free queue's front, blocks scramble within a few
+hundred requests of a long-running server (almost no two consecutive blocks of a table
+adjacent), and decode attention over such tables took as long as over blocks in random
+order (benchmarks/results/attention_layout-avx2.md, its "server" layout against "runs" and
+"random"). The block after is taken out of the queue's order only if it holds no cached
+prefix, or one freed before half the queue was: that one waited unused for half its time to
+eviction, and a newer one keeps its LRU chance.
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ class BlockManager:
         self.ref_cnt = [0] * num_blocks
         self.block_key: List[Optional[BlockKey]] = [None] * num_blocks
         self.free_queue: "OrderedDict[int, None]" = OrderedDict.fromkeys(range(1, num_blocks))
+        # When each block last entered the free queue, counted in blocks freed so far: the
+        # queue's front holds the oldest, so (stamp - front's) / (frees - front's) is where a
+        # block sits in the queue, front 0, back 1 (blocks taken from the middle aside).
+        self._freed_at = [0] * num_blocks
+        self._frees = 0
         self.cached: Dict[BlockKey, int] = {}
         self.block_tables: Dict[str, List[int]] = {}
         self._num_named: Dict[str, int] = {}
@@ -150,7 +165,8 @@ class BlockManager:
         for block_id in computed.block_ids:
             self._touch(block_id)
         table.extend(computed.block_ids)
-        table.extend(self._take_free_block() for _ in range(num_new))
+        for _ in range(num_new):
+            table.append(self._take_block_after(table[-1] if table else None))
         if self.enable_prefix_caching:
             total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
             self._name_full_blocks(request, table, total)
@@ -172,7 +188,7 @@ class BlockManager:
         if num_new > len(self.free_queue):
             return False
         for _ in range(num_new):
-            table.append(self._take_free_block())
+            table.append(self._take_block_after(table[-1] if table else None))
         if self.enable_prefix_caching and \
                 min(total, request.num_tokens) // self.block_size > \
                 self._num_named.get(request.request_id, 0):
@@ -206,6 +222,8 @@ class BlockManager:
             assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
+                self._frees += 1
+                self._freed_at[block_id] = self._frees
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
@@ -224,11 +242,23 @@ class BlockManager:
             del self.free_queue[block_id]
         self.ref_cnt[block_id] += 1
 
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
+    def _take_block_after(self, last: Optional[int]) -> int:
+        """A free block for a table ending in block `last`: the block after it where that is
+        free and may leave the queue out of order (see the module's docstring), else the
+        queue's front (the least recently used)."""
+        block_id = -1 if last is None else last + 1
+        if block_id not in self.free_queue or not self._may_jump_queue(block_id):
+            block_id = next(iter(self.free_queue))
+        del self.free_queue[block_id]
         self._unname(block_id)
         self.ref_cnt[block_id] = 1
         return block_id
+
+    def _may_jump_queue(self, block_id: int) -> bool:
+        if self.block_key[block_id] is None:
+            return True
+        oldest = self._freed_at[next(iter(self.free_queue))]
+        return 2 * (self._freed_at[block_id] - oldest) <= self._frees - oldest
 
     def _unname(self, block_id: int) -> None:
         key = self.block_key[block_id]
