@@ -437,3 +437,29 @@ def test_a_long_running_cache_keeps_sequences_in_runs_of_adjacent_blocks():
     assert all(0 < block < 400 for table in tables for block in table)
     pairs = [(a, b) for table in tables for a, b in zip(table, table[1:])]
     assert sum(b == a + 1 for a, b in pairs) / len(pairs) > 0.25
+
+
+def test_a_cached_block_whose_prefix_was_hit_keeps_its_place_in_the_queue():
+    kv = BlockManager(num_blocks=11, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", range(5))
+    admit(kv, a)  # blocks 1 (named) and 2
+    old = make_request("old", range(50, 54))
+    again = make_request("again", [*range(50, 54), 9])
+    new = make_request("new", range(100, 124))
+    admit(kv, old)  # block 3
+    assert admit(kv, again) == 4  # a hit on block 3 (its own block 4 after it)
+    assert kv.block_table("again") == [3, 4]
+    admit(kv, new)  # blocks 5-10
+    for request in (old, again, new):
+        kv.free(request)
+    # Block 3 is the oldest freed block, in the queue's older half, yet a hit made it shared:
+    # a table ending in block 2 takes the front (again's block 4) instead.
+    assert list(kv.free_queue)[:2] == [4, 3]
+    a.append_token(5)
+    for _ in range(3):
+        a.append_token(6)
+    compute(kv, a, 8)
+    assert kv.allocate_slots(a, 1)
+    assert kv.block_table("a") == [1, 2, 4]
+    assert kv.get_computed_blocks(make_request("p", range(50, 55))).num_tokens == 4
+    kv.check_invariants(live(a))

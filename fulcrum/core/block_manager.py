@@ -11,11 +11,12 @@ A request's next block is, where it can be, the block physically after its last 
 attention kernels read a sequence's blocks in table order, and adjacent blocks read as one
 longer run of memory. Taken only from the free queue's front, blocks scramble within a few
 hundred requests of a long-running server (almost no two consecutive blocks of a table
-adjacent), and decode attention over such tables took as long as over blocks in random
-order (benchmarks/results/attention_layout-avx2.md, its "server" layout against "runs" and
-"random"). The block after is taken out of the queue's order only if it holds no cached
-prefix, or one freed before half the queue was: that one waited unused for half its time to
-eviction, and a newer one keeps its LRU chance.
+adjacent), and decode attention reads blocks in random order much slower than runs of them
+(benchmarks/results/attention_layout-avx2.md: "random" against "runs", and "server", the
+tables this policy leaves after a long run). The block after is taken out of the queue's
+order only if it holds no cached prefix, or one that no request has hit and that was freed
+before half the queue was: that one waited unused for half its time to eviction, while a
+newer one, or one a prefix hit has shown to be shared, keeps its LRU chance.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class BlockManager:
         # block sits in the queue, front 0, back 1 (blocks taken from the middle aside).
         self._freed_at = [0] * num_blocks
         self._frees = 0
+        self._hit = [False] * num_blocks  # its prefix was hit since it was named
         self.cached: Dict[BlockKey, int] = {}
         self.block_tables: Dict[str, List[int]] = {}
         self._num_named: Dict[str, int] = {}
@@ -238,6 +240,7 @@ class BlockManager:
         return max(0, self.blocks_needed(total) - held)
 
     def _touch(self, block_id: int) -> None:
+        self._hit[block_id] = True
         if self.ref_cnt[block_id] == 0:
             del self.free_queue[block_id]
         self.ref_cnt[block_id] += 1
@@ -257,10 +260,13 @@ class BlockManager:
     def _may_jump_queue(self, block_id: int) -> bool:
         if self.block_key[block_id] is None:
             return True
+        if self._hit[block_id]:
+            return False
         oldest = self._freed_at[next(iter(self.free_queue))]
         return 2 * (self._freed_at[block_id] - oldest) <= self._frees - oldest
 
     def _unname(self, block_id: int) -> None:
+        self._hit[block_id] = False
         key = self.block_key[block_id]
         if key is not None:
             if self.cached.get(key) == block_id:
