@@ -19,6 +19,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # logit_bias entries are added to every step's logits: their number bounds that work too.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
+# allowed_token_ids mask every step's logits; no vocabulary has more ids than this (Gemma's
+# 256K), and a longer list only repeats them.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 
@@ -38,6 +41,23 @@ class RequestOutputKind(enum.Enum):
 # The constraints a StructuredOutputsParams may carry; exactly one is set.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_GRAMMAR_CHARS = 1 << 20
+# Nesting of a JSON schema document: xgrammar's compile time grows with about its cube
+# (~0.01 s at 64 here, 4.5 s at 600), and a compile holds up whoever waits on it. OpenAI's
+# structured outputs allow 10 levels of objects, each 2 of the document.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests (a scalar 0), without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            pending.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            pending.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 @dataclass
@@ -62,10 +82,12 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:
                 raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("the JSON schema must be a JSON object")
+        if self.json is not None and json_depth(self.json) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -209,10 +231,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be finite numbers, got {value!r}")
                 bias[token] = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
             self.logit_bias = bias
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
-            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.allowed_token_ids is not None:
+            self._check_allowed_token_ids()
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_STOP_STRINGS \
                     or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -230,6 +250,17 @@ class SamplingParams:
                 or self.truncate_prompt_tokens < -1):
             raise ValueError("truncate_prompt_tokens must be a positive integer or -1 (the "
                              f"maximum model length), got {self.truncate_prompt_tokens!r}")
+
+    def _check_allowed_token_ids(self) -> None:
+        ids = self.allowed_token_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids has {len(ids)} entries; at most "
+                             f"{MAX_ALLOWED_TOKEN_IDS} allowed")
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        self.allowed_token_ids = list(dict.fromkeys(ids))  # the mask is built every step
 
     @property
     def greedy(self) -> bool:

@@ -77,6 +77,29 @@ def test_sampler_fault_fails_one_request(llm, monkeypatch):
     assert [len(c.token_ids) for c in final[POISON].outputs] == [1, 1]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_that_rules_out_every_token_fails_alone(llm, temperature):
+    """Its only allowed token is a stop token that min_tokens masks: no token has a finite
+    logit. Greedy argmax would pick a masked token and sampling one past the vocabulary,
+    which failed the next forward pass and with it every request of the step."""
+    expected = reference(llm)
+    engine = llm.llm_engine
+    for request_id, prompt in PROMPTS.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, greedy())
+    engine.add_request(POISON, {"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(
+        temperature=temperature, max_tokens=4, allowed_token_ids=[9], stop_token_ids=[9],
+        min_tokens=2, seed=0))
+    _, final = run_to_completion(engine)
+    assert_all_blocks_free(engine)
+    failed = final[POISON]
+    assert failed.error is not None and "no token can be sampled" in failed.error
+    assert [c.finish_reason for c in failed.outputs] == ["error"]
+    assert failed.outputs[0].token_ids == []
+    for request_id, tokens in expected.items():
+        assert final[request_id].error is None
+        assert final[request_id].outputs[0].token_ids == tokens
+
+
 def test_detokenizer_fault_fails_one_request(llm, monkeypatch):
     expected = reference(llm)
     original = IncrementalDetokenizer.update

@@ -409,3 +409,23 @@ def test_stream_events_stay_one_line_whatever_the_text():
     event = _sse(CompletionChoice(index=0, text=text))
     assert event.endswith("\n\n") and len(event.splitlines()) == 2  # the data line, the blank
     assert json.loads(event.splitlines()[0][len("data: "):])["text"] == text
+
+
+def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
+    """Anything the request's handling raises after the first event (not only the engine's
+    own failures) closes the stream as OpenAI's do, instead of cutting the connection."""
+    from fulcrum.server.protocol import CompletionChoice
+    from fulcrum.server.serving import _events
+
+    async def outputs():
+        raise TypeError("TextInputSequence must be str")
+        yield  # an async generator
+
+    async def run():
+        preamble = [CompletionChoice(index=0, text="")]
+        return [event async for event in _events(None, outputs(), None, preamble, None)]
+
+    events = asyncio.run(run())
+    assert len(events) == 3 and events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[1][len("data: "):])["error"]
+    assert error["code"] == 500 and "TextInputSequence must be str" in error["message"]

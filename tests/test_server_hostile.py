@@ -392,9 +392,45 @@ def _stream_cases() -> list:
     ]
 
 
+def _nested_schema(levels: int) -> Dict[str, Any]:
+    schema: Dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _unicode_and_cost_cases() -> list:
+    """Lone surrogates (a \\ud800 escape without its pair: no text holds one), logit_bias
+    keys that int() takes or refuses oddly, and fields whose size the engine pays for every
+    step or at compile time."""
+    surrogate = "a\ud800b"
+    return [
+        *both("bad-words-lone-surrogate", ("bad_words.0", "Unicode"), bad_words=[surrogate]),
+        *both("stop-lone-surrogate", ("stop", "Unicode"), stop=[surrogate]),
+        comp("prompt-lone-surrogate", ("prompt", "Unicode"), prompt=surrogate),
+        comp("model-lone-surrogate", ("model", "Unicode"), model=surrogate),
+        chat("content-lone-surrogate", ("Unicode",), messages=user(surrogate)),
+        comp("logit-bias-key-lone-surrogate", ("logit_bias", "Unicode"),
+             logit_bias={surrogate: 1}),
+        comp("stream-bad-words-lone-surrogate", ("bad_words.0", "Unicode"), stream=True,
+             bad_words=[surrogate]),
+        Case("tokenize-lone-surrogate", "POST", "/tokenize",
+             {"model": MODEL, "prompt": surrogate}, words=("prompt", "Unicode")),
+        *both("logit-bias-key-double-minus", "logit_bias", logit_bias={"--5": 1}),
+        comp("logit-bias-key-superscript-digit", "logit_bias", logit_bias={"\u00b2": 1}),
+        comp("logit-bias-key-underscore", "logit_bias", logit_bias={"1_0": 1}),
+        comp("logit-bias-key-5000-digits", "logit_bias", logit_bias={"1" * 5000: 1}),
+        comp("allowed-token-ids-over-2-18", "allowed_token_ids",
+             allowed_token_ids=[5] * (2**18 + 1)),
+        comp("json-schema-nested-65-levels", ("schema", "64"),
+             response_format={"type": "json_schema",
+                              "json_schema": {"name": "deep", "schema": _nested_schema(33)}}),
+    ]
+
+
 CASES = (_framing_cases() + _route_cases() + _type_cases() + _range_cases()
          + _token_id_cases() + _stop_cases() + _length_cases() + _chat_message_cases()
-         + _stream_cases())
+         + _stream_cases() + _unicode_and_cost_cases())
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 

@@ -133,6 +133,16 @@ def test_stream_releases_a_false_alarm_and_a_broken_call_as_content():
         ("ok <tool_call>{\"name\": ", [], False)
 
 
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser(), MistralParser()])
+def test_calls_nested_past_the_recursion_limit_are_content(parser):
+    """JSON nested deeper than the interpreter's recursion limit (which a model can be led to
+    write) raises RecursionError in json: the answer is sent as content, not a 500."""
+    text = parser.marker + "[" * 5000
+    assert parser.parse(text) == (text, [])
+    assert feed_all(ToolCallStream("auto", parser), [text]) == (text, [], False)
+    assert feed_all(ToolCallStream("required"), ["[" * 5000]) == ("[" * 5000, [], False)
+
+
 def test_named_stream_sends_the_arguments_as_they_come():
     stream = ToolCallStream("named", function="get_time")
     first, second = stream.feed('{"zone"'), stream.feed(': "utc"}')

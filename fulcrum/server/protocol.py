@@ -27,6 +27,46 @@ class FieldError(ValueError):
         self.param = param
 
 
+def lone_surrogate_at(value: Any) -> Optional[str]:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (a \\ud800 escape
+    without its pair), as "field.0.key"; None if nowhere. No text holds one: tokenizers and
+    UTF-8 encoders raise on it deep inside a request's handling."""
+    pending: List[Tuple[Any, Tuple[Any, ...]]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _encodes(item):
+                return ".".join(map(str, path)) or "body"
+        elif isinstance(item, dict):
+            pending.extend((key, path) for key in item)
+            pending.extend((child, (*path, key)) for key, child in item.items())
+        elif isinstance(item, list):
+            pending.extend((child, (*path, i)) for i, child in enumerate(item)
+                           if isinstance(child, (str, dict, list)))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class RequestBody(BaseModel):
+    """A request's body: refused whole if any string in it is not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise FieldError(str(where).split(".")[0],
+                             f"{where} is not valid Unicode: it holds a lone surrogate")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -39,7 +79,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestBody):
     """Fields that completions and chat completions share, vLLM's extras included."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged
@@ -98,12 +138,15 @@ class SamplingRequest(BaseModel):
         """logit_bias with its keys (token ids as JSON strings, in OpenAI's form) as ints."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): value for token, value in self.logit_bias.items()}
-        except ValueError:
-            raise FieldError("logit_bias", "logit_bias keys must be token ids, got "
-                             f"{next(k for k in self.logit_bias if not k.lstrip('-').isdigit())!r}"
-                             ) from None
+        biases = {}
+        for token, value in self.logit_bias.items():
+            # ASCII digits only: int() also takes "²", "①" or "1_0", and fails on 4,300 digits.
+            digits = token[1:] if token.startswith("-") else token
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+                raise FieldError("logit_bias",
+                                 f"logit_bias keys must be token ids, got {token[:40]!r}")
+            biases[int(token)] = value
+        return biases
 
     def structured_output_params(self) -> Optional[StructuredOutputsParams]:
         """The output constraint from whichever of response_format, structured_outputs and
@@ -364,7 +407,7 @@ class ChatCompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
@@ -373,7 +416,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: List[int]
     skip_special_tokens: bool = True  # False shows a chat template's special tokens too

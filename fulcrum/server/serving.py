@@ -573,4 +573,7 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
         yield _sse(APIError(503, str(error)).body())
     except RequestFailedError as error:
         yield _sse(APIError(500, str(error)).body())
+    except Exception as error:  # noqa: BLE001 - as the 500 a whole response would get
+        logger.exception("a stream failed")
+        yield _sse(APIError(500, f"internal error: {error!r}").body())
     yield "data: [DONE]\n\n"

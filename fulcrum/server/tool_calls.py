@@ -62,6 +62,11 @@ def _objects(text: str) -> List[Any]:
         values.append(value)
 
 
+# What parsing a model's malformed calls raises; RecursionError: JSON nested deeper than
+# the interpreter's recursion limit, which a model can be led to write.
+MALFORMED = (ValueError, TypeError, KeyError, AttributeError, RecursionError)
+
+
 class ToolParser(ABC):
     """Finds tool calls in a model's answer (one format)."""
 
@@ -85,7 +90,7 @@ class ToolParser(ABC):
             return text, []
         try:
             calls = self.calls(text[start:])
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except MALFORMED:
             return text, []
         if not calls:
             return text, []
@@ -226,7 +231,7 @@ class ToolCallStream:
         if self.mode == "required":
             try:
                 return ToolDelta(tool_calls=_deltas(required_calls(self.text))), True
-            except (ValueError, TypeError, KeyError):
+            except MALFORMED:
                 return ToolDelta(content=self.text or None), False
         content, calls = self.parser.parse(self.text)
         calls = calls if self.parallel else calls[:1]

@@ -55,9 +55,26 @@ class Sampler:
             if random_rows:
                 index = torch.tensor(random_rows, device=logits.device)
                 tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
+        self._check_chosen(logits, tokens, rows)
         token_list = tokens.tolist()
         return [SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
                 for i, (t, r) in enumerate(zip(token_list, rows))]
+
+    @staticmethod
+    def _check_chosen(logits: torch.Tensor, tokens: torch.Tensor,
+                      rows: List[SamplingRow]) -> None:
+        """Raise if a row chose a token its logits rule out: one whose constraints exclude
+        every token (allowed_token_ids all banned, or all stop tokens under min_tokens), or
+        whose penalty overflowed its logits to inf or NaN, has nothing to sample; argmax then
+        picks a masked token, and the inverse CDF of NaN weights one past the vocabulary,
+        which the next forward pass, shared by the whole batch, would fail on."""
+        vocab = logits.shape[-1]
+        chosen = logits.gather(1, tokens.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+        bad = (tokens < 0) | (tokens >= vocab) | ~torch.isfinite(chosen)
+        if bool(bad.any()):
+            row = rows[int(bad.nonzero()[0, 0])]
+            raise ValueError(f"request {row.request_id}: no token can be sampled: its "
+                             "constraints and penalties leave none with a finite logit")
 
     # ------------------------------------------------------- token controls
     @staticmethod
