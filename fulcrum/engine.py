@@ -308,6 +308,13 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} "
                              "tokens this request may generate")
+        if params.min_tokens and params.allowed_token_ids:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= self.tokenizer.eos_token_ids
+            if stops.issuperset(params.allowed_token_ids):
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens "
+                                 "holds back: no token could be generated")
         # The cache holds at least max_model_len tokens (checked when it is sized), so a
         # request that passes here always fits once it has the cache to itself.
         return max_tokens

@@ -141,6 +141,8 @@ ENGINE_REFUSALS = [
     (dict(n=129), "n must be at most 128 \\(max_n\\), got 129"),
     (dict(logprobs=21), "logprobs must be at most 20 \\(max_logprobs\\), got 21"),
     (dict(stop_token_ids=[3, VOCAB]), f"stop_token_ids: token id {VOCAB} is out of vocabulary"),
+    (dict(allowed_token_ids=[7, 9], stop_token_ids=[9, 7], min_tokens=1),
+     "allowed_token_ids holds only stop tokens, which min_tokens holds back"),
 ]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import running_server
 from fulcrum import LLM, SamplingParams
+from fulcrum.sampling_params import StructuredOutputsParams
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.worker.sampler import Sampler
@@ -79,16 +80,16 @@ def test_sampler_fault_fails_one_request(llm, monkeypatch):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_that_rules_out_every_token_fails_alone(llm, temperature):
-    """Its only allowed token is a stop token that min_tokens masks: no token has a finite
-    logit. Greedy argmax would pick a masked token and sampling one past the vocabulary,
-    which failed the next forward pass and with it every request of the step."""
+    """Its regular expression matches no text, so its grammar masks every token: no token
+    has a finite logit. Greedy argmax would pick a masked token and sampling one past the
+    vocabulary, which failed the next forward pass and with it every request of the step."""
     expected = reference(llm)
     engine = llm.llm_engine
     for request_id, prompt in PROMPTS.items():
         engine.add_request(request_id, {"prompt_token_ids": prompt}, greedy())
     engine.add_request(POISON, {"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(
-        temperature=temperature, max_tokens=4, allowed_token_ids=[9], stop_token_ids=[9],
-        min_tokens=2, seed=0))
+        temperature=temperature, max_tokens=4, seed=0,
+        structured_outputs=StructuredOutputsParams(regex="[^\\s\\S]")))
     _, final = run_to_completion(engine)
     assert_all_blocks_free(engine)
     failed = final[POISON]

@@ -64,7 +64,7 @@ class Sampler:
     def _check_chosen(logits: torch.Tensor, tokens: torch.Tensor,
                       rows: List[SamplingRow]) -> None:
         """Raise if a row chose a token its logits rule out: one whose constraints exclude
-        every token (allowed_token_ids all banned, or all stop tokens under min_tokens), or
+        every token (a grammar that no text matches, allowed_token_ids all in bad_words), or
         whose penalty overflowed its logits to inf or NaN, has nothing to sample; argmax then
         picks a masked token, and the inverse CDF of NaN weights one past the vocabulary,
         which the next forward pass, shared by the whole batch, would fail on."""
