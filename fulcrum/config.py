@@ -28,6 +28,9 @@ AUTO_LONG_PREFILL_FRACTION = 0.04
 # first token within about two short steps; the other seven eighths still fill with the
 # chunks of up to seven more prompts, so throughput keeps full steps.
 DEFAULT_CHUNK_FRACTION = 8
+# vLLM's largest block size; a huge one (10**6) was accepted and made start-up crawl for
+# minutes over two blocks of a million slots.
+MAX_BLOCK_SIZE = 128
 
 
 @dataclass
@@ -101,13 +104,20 @@ class EngineConfig:
     def _check_ranges(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "max_num_partial_prefills", "kv_cache_memory_bytes", "num_gpu_blocks_override",
                      "max_n", "max_queued_requests"):
             positive(name)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} (vLLM's largest), "
+                             f"got {self.block_size}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
+                or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(
                 f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -35,6 +36,9 @@ class LLM:
         if not self.llm_engine.config.disable_log_stats:
             self._metrics = EngineMetrics(self.llm_engine, model or DEFAULT_MODEL_NAME)
         self._kinds: Dict[str, RequestOutputKind] = {}
+        # One call drives the engine at a time: two threads stepping it at once took each
+        # other's outputs and neither call returned. A second call waits for the first.
+        self._lock = threading.Lock()
 
     def get_metrics(self) -> List[Metric]:
         """The engine's metrics now, as the server's /metrics has them (vLLM's
@@ -72,6 +76,11 @@ class LLM:
             params_list = [dataclasses.replace(p, **targets) for p in params_list]
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        with self._lock:
+            return self._generate(prompt_list, params_list, priority, use_tqdm)
+
+    def _generate(self, prompt_list: List[PromptType], params_list: List[SamplingParams],
+                  priority: Optional[Sequence[int]], use_tqdm: bool) -> List[RequestOutput]:
         engine = self.llm_engine
         max_tokens = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
@@ -158,6 +167,9 @@ class LLM:
 def _as_prompt_list(prompts) -> List[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):  # list() would make its bytes token ids
+        raise TypeError("a prompt must be a string, a list of token ids or a dict, got "
+                        f"{type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import VOCAB
 from fulcrum import LLM, SamplingParams
+from fulcrum.config import EngineConfig
 from fulcrum.models import SUPPORTED_ARCHITECTURES
 
 MAX_LEN = 64
@@ -153,6 +154,23 @@ def test_engine_limits_refuse_before_queueing(llm, kwargs, message):
         llm.generate([ids(1, 2), ids(3, 4)], SamplingParams(max_tokens=2, **kwargs),
                      use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+BAD_ENGINE_ARGS = [
+    (dict(block_size=129), "block_size must be at most 128"),
+    (dict(block_size=10**6), "block_size must be at most 128"),
+    (dict(max_num_seqs=True), "max_num_seqs must be a positive integer, got True"),
+    (dict(seed=2**70), "seed must be an integer in"),
+    (dict(seed=None), "seed must be an integer in"),
+    (dict(seed=1.5), "seed must be an integer in"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_ENGINE_ARGS,
+                         ids=[str(k) for k, _ in BAD_ENGINE_ARGS])
+def test_bad_engine_args_are_refused_before_anything_loads(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
 
 
 def test_engine_limits_are_engine_args(llama_dir):

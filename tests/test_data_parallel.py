@@ -119,6 +119,8 @@ def test_routing_text_and_prefix_tree():
                                                           "content": "yo"}]}).encode())
     assert chat2.startswith(chat1)
     assert routing_text("/v1/completions", b"[1, 2") is None
+    deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    assert routing_text("/v1/completions", deep) is None  # the replica refuses it: a 400
     tree = PrefixTree(max_chars=30)
     tree.insert("hello world", 0)
     tree.insert("hello there", 1)
@@ -128,6 +130,32 @@ def test_routing_text_and_prefix_tree():
     assert tree.num_chars <= 30 and tree.match("hello world") == {0: 6, 1: 6}
     tree.forget(1)
     assert tree.match("zzz") == {}
+
+
+def test_the_router_refuses_in_openai_error_bodies():
+    with BackgroundServer(build_router_app([], "round_robin")) as server:
+        wrong_method = httpx.put(server.url + "/v1/completions")
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"
+        assert httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "x"}).json()["error"]["code"] == 503
+
+
+def test_a_full_prefix_tree_frees_a_tenth_at_once_least_recent_first():
+    def text(i: int) -> str:  # 10 characters, no prefix shared with another i
+        return chr(0x4E00 + i) * 10
+
+    tree = PrefixTree(max_chars=1000)
+    for i in range(100):  # exactly full
+        tree.insert(text(i), i % 3)
+    assert tree.num_chars == 1000
+    tree.insert(text(100), 1)  # over: down to 900, the eleven oldest texts gone
+    assert tree.num_chars == 900
+    assert tree.match(text(0)) == {} and tree.match(text(10)) == {}
+    assert tree.match(text(11)) == {2: 10} and tree.match(text(100)) == {1: 10}
+    for i in range(101, 111):  # refills the freed tenth without evicting
+        tree.insert(text(i), 0)
+    assert tree.num_chars == 1000 and tree.match(text(11)) == {2: 10}
 
 
 def test_replicas_as_ray_actors(stories_dir):

@@ -214,3 +214,32 @@ def test_generate_with_tqdm(llm, capsys):
     # Same tokens as without the progress bar.
     quiet = llm.generate(["one", "two"], greedy(3), use_tqdm=False)
     assert [tokens(o) for o in quiet] == [tokens(o) for o in outputs]
+
+
+def test_generate_from_two_threads_at_once(llm):
+    """The second call waits for the first: two threads stepping one engine at once took
+    each other's outputs, and neither call returned (its requests and blocks held for good)."""
+    import threading
+
+    prompts = [[ids(range(1, 20)), ids(range(5, 9))], [ids(range(30, 70)), ids([3])]]
+    alone = [[tokens(o) for o in llm.generate(p, greedy(16), use_tqdm=False)] for p in prompts]
+    results = [None, None]
+
+    def call(i):
+        results[i] = [tokens(o) for o in llm.generate(prompts[i], greedy(16), use_tqdm=False)]
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert results == alone
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_bytes_are_not_a_prompt(llm):
+    with pytest.raises(TypeError, match="got bytes"):
+        llm.generate(b"hello", greedy(), use_tqdm=False)

@@ -31,7 +31,7 @@ from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
-from fulcrum.server.middleware import BodyGuard, DrainGate, error_response
+from fulcrum.server.middleware import BodyGuard, DrainGate, error_response, http_error
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
@@ -61,12 +61,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         return error_response(bad_request(_validation_message(error)))
-
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = str(error.detail)
-        if error.__cause__ is not None:  # FastAPI's "error parsing the body" hides why
-            message = f"{message}: {str(error.__cause__)[:200]}"
-        return error_response(APIError(error.status_code, message))
 
     async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, str(error)))

@@ -31,6 +31,15 @@ def error_response(error: APIError) -> JSONResponse:
                         headers=error.headers)
 
 
+async def http_error(_: object, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (no route, wrong method, a body it could not parse) in
+    OpenAI's error shape."""
+    message = str(error.detail)
+    if error.__cause__ is not None:  # FastAPI's "error parsing the body" hides why
+        message = f"{message}: {str(error.__cause__)[:200]}"
+    return error_response(APIError(error.status_code, message))
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than the server's limit of {limit} "
                          "bytes (--max-request-body-bytes)")

@@ -8,9 +8,10 @@ bounded: past `max_chars` characters, the least recently used leaves go first.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass(eq=False)
@@ -20,6 +21,10 @@ class _Node:
     children: Dict[str, "_Node"] = field(default_factory=dict)
     # replica -> the tree's clock when that replica last served a text through this node.
     replicas: Dict[int, int] = field(default_factory=dict)
+
+
+def _last_seen(node: _Node) -> int:
+    return max(node.replicas.values(), default=0)
 
 
 def _common(a: str, b: str) -> int:
@@ -88,25 +93,33 @@ class PrefixTree:
         return upper
 
     def _evict(self) -> None:
-        while self.num_chars > self.max_chars:
-            leaf = self._oldest_leaf()
-            if leaf is None:
-                return
-            del leaf.parent.children[leaf.text[0]]
+        """Past max_chars, drop least recently used leaves until a tenth of max_chars is
+        free: one walk of the tree then serves the inserts that fill that tenth again. (A walk
+        per insert, once the tree was full, cost each routed request ~0.24 s at 4M
+        characters, in the router's only event loop.)"""
+        if self.num_chars <= self.max_chars:
+            return
+        target = self.max_chars - self.max_chars // 10
+        order = itertools.count()  # ties: any order, never comparing nodes
+        leaves = [(_last_seen(node), next(order), node) for node in self._leaves()]
+        heapq.heapify(leaves)
+        while self.num_chars > target and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.text[0]]
             self.num_chars -= len(leaf.text)
+            if parent is not self.root and not parent.children:
+                heapq.heappush(leaves, (_last_seen(parent), next(order), parent))
 
-    def _oldest_leaf(self) -> Optional[_Node]:
-        oldest, best = None, None
-        stack = list(self.root.children.values())
+    def _leaves(self) -> List[_Node]:
+        found, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
             else:
-                seen = max(node.replicas.values(), default=0)
-                if best is None or seen < best:
-                    oldest, best = node, seen
-        return oldest
+                found.append(node)
+        return found
 
     def forget(self, replica: int) -> None:
         """Drop a replica (it died): it holds nothing any more."""

@@ -28,8 +28,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fulcrum.server.middleware import BodyGuard, error_response
+from fulcrum.server.middleware import BodyGuard, error_response, http_error
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
 from fulcrum.server.serving import APIError
@@ -83,7 +84,7 @@ def routing_text(path: str, body: bytes) -> Optional[str]:
     order (a conversation's next turn extends the text of its last one)."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the replica answers these with a 400
         return None
     if not isinstance(data, dict):
         return None
@@ -157,6 +158,8 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
         return error_response(error)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.get("/health")
     async def health() -> Response:
