@@ -99,7 +99,22 @@ class EngineConfig:
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_ranges()
+
+    def _check_types(self) -> None:
+        """Switches must be booleans ("no" is truthy); None for the two that vLLM declares
+        Optional means their default, as there."""
+        for field in dataclasses.fields(self):
+            if field.name in ("enable_chunked_prefill", "enable_prefix_caching") and \
+                    getattr(self, field.name) is None:
+                setattr(self, field.name, field.default)
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{field.name} must be True or False, got {value!r}")
+            if "float" in field.type and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{field.name} must be a number, got {value!r}")
 
     def _check_ranges(self) -> None:
         def positive(name: str) -> None:
@@ -121,8 +136,11 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(
                 f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool)
+                                      or threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer, "
+                             f"got {threshold!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -163,6 +163,10 @@ BAD_ENGINE_ARGS = [
     (dict(seed=2**70), "seed must be an integer in"),
     (dict(seed=None), "seed must be an integer in"),
     (dict(seed=1.5), "seed must be an integer in"),
+    (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be True or False"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
+    (dict(long_prefill_token_threshold=1.5),
+     "long_prefill_token_threshold must be a non-negative integer, got 1.5"),
 ]
 
 
@@ -171,6 +175,11 @@ BAD_ENGINE_ARGS = [
 def test_bad_engine_args_are_refused_before_anything_loads(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_none_switches_take_their_default_as_in_vllm():
+    config = EngineConfig(enable_prefix_caching=None, enable_chunked_prefill=None)
+    assert config.enable_prefix_caching is True and config.enable_chunked_prefill is True
 
 
 def test_engine_limits_are_engine_args(llama_dir):
