@@ -45,7 +45,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine, PromptType
@@ -111,6 +111,7 @@ class AsyncLLM:
         self._stopping = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._streams: Dict[str, asyncio.Queue] = {}
+        self._aborting: Set[str] = set()  # ids aborted here, not yet reported by the engine
         self._listeners: List[Listener] = []
         self._dead_listeners: List[Callable[[BaseException], None]] = []
         self._dead: Optional[BaseException] = None
@@ -211,8 +212,11 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step. Unknown ids are ignored."""
-        self._streams.pop(request_id, None)
+        """Stop a request; its blocks are freed before the next step. Unknown ids are ignored.
+        The id stays taken until the engine reports the abort, so that no output the old
+        request had on its way reaches a new request of the same id."""
+        if self._streams.pop(request_id, None) is not None:
+            self._aborting.add(request_id)
         self._submit(lambda: self.engine.abort_request(request_id))
 
     async def drain(self, timeout: float) -> int:
@@ -241,6 +245,9 @@ class AsyncLLM:
         """Validate the request, register its stream and queue it for the engine thread."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self._aborting:
+            raise ValueError(f"request id {request_id!r} is still being aborted; it can be "
+                             "used again once the engine has stopped that request")
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
@@ -272,6 +279,10 @@ class AsyncLLM:
     def _dispatch(self, report: StepReport) -> None:
         """On the event loop: route outputs to their streams, then tell the listeners."""
         for output in report.outputs:
+            if output.request_id in self._aborting:
+                if output.finished:
+                    self._aborting.discard(output.request_id)
+                continue
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put_nowait(output)
@@ -281,11 +292,15 @@ class AsyncLLM:
             listener(report)
 
     def _fail_streams(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put_nowait(error)
+        self._end_streams(error)
         for listener in self._dead_listeners:
             listener(error)
+
+    def _end_streams(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        self._aborting.clear()
+        for stream in streams.values():
+            stream.put_nowait(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         """Run `callback(*args)` on the bound event loop, if it is still open."""
@@ -327,6 +342,10 @@ class AsyncLLM:
                 forward = self._iterate()
                 self.loop_stats.busy_seconds += time.perf_counter() - start
                 self.loop_stats.forward_seconds += forward
+            # Shut down: streams still open end, and later requests are refused, instead of
+            # waiting for a loop that is gone.
+            self._dead = RuntimeError("the engine was shut down")
+            self._post(self._end_streams, EngineDeadError("the engine was shut down"))
         except BaseException as error:  # noqa: BLE001 - report any engine failure to clients
             logger.exception("the engine loop failed")
             self._dead = error

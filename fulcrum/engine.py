@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import numbers
 import threading
 import time
 from typing import (TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional,
@@ -211,15 +212,15 @@ class LLMEngine:
         """(text or None, token ids) for a string, a token-id list or vLLM's prompt dicts."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
+            return None, token_id_list(prompt)
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")
 
@@ -476,6 +477,23 @@ class LLMEngine:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_token_id(value: object) -> bool:
+    """An integer: Python's or numpy's (numbers.Integral), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def token_id_list(values: Any) -> List[int]:
+    """Token ids as Python ints, from a list, a tuple or a numpy array of integers."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"prompt_token_ids must be a list of token ids, got "
+                        f"{type(values).__name__}")
+    ids = list(values)
+    for token in ids:
+        if not is_token_id(token):
+            raise TypeError(f"token ids must be integers, got {type(token).__name__} {token!r}")
+    return [int(t) for t in ids]
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

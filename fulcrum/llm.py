@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
-from fulcrum.engine import LLMEngine, PromptType
+from fulcrum.engine import LLMEngine, PromptType, is_token_id
 from fulcrum.metrics import EngineMetrics, Metric, snapshot
 from fulcrum.outputs import RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
@@ -128,6 +128,10 @@ class LLM:
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+        for param in params:
+            if not isinstance(param, SamplingParams):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                                f"got a list holding {type(param).__name__}")
         return params
 
     def _run(self, request_ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
@@ -171,6 +175,6 @@ def _as_prompt_list(prompts) -> List[PromptType]:
         raise TypeError("a prompt must be a string, a list of token ids or a dict, got "
                         f"{type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts

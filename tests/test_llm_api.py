@@ -243,3 +243,34 @@ def test_generate_from_two_threads_at_once(llm):
 def test_bytes_are_not_a_prompt(llm):
     with pytest.raises(TypeError, match="got bytes"):
         llm.generate(b"hello", greedy(), use_tqdm=False)
+
+
+def test_numpy_token_ids_are_token_ids(llm):
+    import numpy as np
+
+    prompt = [5, 9, 13, 2]
+    (expected,) = llm.generate(ids(prompt), greedy(4), use_tqdm=False)
+    for given in (np.array(prompt), [np.int64(t) for t in prompt]):
+        (output,) = llm.generate({"prompt_token_ids": given}, greedy(4), use_tqdm=False)
+        assert output.prompt_token_ids == prompt and tokens(output) == tokens(expected)
+    (single,) = llm.generate([np.int32(t) for t in prompt], greedy(4), use_tqdm=False)
+    assert tokens(single) == tokens(expected)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ({"prompt_token_ids": 5}, "prompt_token_ids must be a list of token ids, got int"),
+    ({"prompt_token_ids": [1, True]}, "token ids must be integers, got bool True"),
+    ({"prompt_token_ids": [1, 2.0]}, "token ids must be integers, got float 2.0")])
+def test_prompt_token_ids_that_are_not_token_ids(llm, prompt, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+
+
+def test_sampling_params_list_of_something_else(llm):
+    with pytest.raises(TypeError, match="a list holding NoneType"):
+        llm.generate(["a"], [None], use_tqdm=False)
+
+
+def test_a_none_token_id_is_not_a_token_id(llm):
+    with pytest.raises(TypeError, match="got NoneType None"):
+        llm.generate({"prompt_token_ids": [1, None]}, greedy(), use_tqdm=False)

@@ -429,3 +429,16 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
     assert len(events) == 3 and events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[1][len("data: "):])["error"]
     assert error["code"] == 500 and "TextInputSequence must be str" in error["message"]
+
+
+def test_masked_tokens_logprobs_are_numbers_in_json():
+    """A token a constraint masks has logprob -inf, which JSON lacks (it came out null where
+    OpenAI's schema wants a number): the server sends -9999, as vLLM's does."""
+    from fulcrum.outputs import Logprob
+    from fulcrum.server.serving import _prompt_logprobs, _top_logprob
+
+    masked = Logprob(float("-inf"), 7, "x")
+    assert json.loads(_top_logprob(masked).model_dump_json())["logprob"] == -9999.0
+    (entry,) = _prompt_logprobs([{5: masked}])
+    assert entry[5].logprob == -9999.0
+    assert _top_logprob(Logprob(-1.5, 1, "y")).logprob == -1.5

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import free_port
 from fulcrum import LLM, SamplingParams
-from fulcrum.async_engine import AsyncLLM, StepReport
+from fulcrum.async_engine import AsyncLLM, EngineDeadError, StepReport
 from fulcrum.server.cli import register, served_model_names
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -172,3 +172,44 @@ def test_serve_command_runs_a_server(llama_dir):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+
+
+def test_a_cancelled_id_is_refused_until_its_abort_is_reported(async_llm, llama_dir):
+    """No output of the old request may reach a new one of the same id: reusing it right
+    after the cancel is refused by name, and works once the engine has stopped the old."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        stream = async_llm.generate("Hello", params, "dup")
+        await stream.__anext__()
+        await stream.aclose()
+        with pytest.raises(ValueError, match="'dup' is still being aborted"):
+            await collect(async_llm, "Hello", GREEDY, "dup")
+        deadline = time.monotonic() + 10
+        while "dup" in async_llm._aborting:
+            assert time.monotonic() < deadline, "the abort was never reported"
+            await asyncio.sleep(0.01)
+        return await collect(async_llm, "Hello", GREEDY, "dup")
+
+    outputs = asyncio.run(run())
+    (alone,) = LLM(str(llama_dir)).generate("Hello", GREEDY, use_tqdm=False)
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == alone.outputs[0].token_ids
+    wait_idle(async_llm)
+
+
+def test_shutdown_ends_open_streams_and_refuses_new_requests(llama_dir):
+    llm = AsyncLLM.from_engine_args(model=str(llama_dir), num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def run():
+        stream = llm.generate("Hello", params, "long")
+        await stream.__anext__()
+        llm.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await collect(llm, "Hello", GREEDY, "after")
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+    assert not llm.is_healthy

@@ -103,6 +103,16 @@ def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
     assert output.outputs[0].finish_reason == "stop"
 
 
+def test_a_complete_grammar_ends_the_answer_before_min_tokens(llm):
+    """min_tokens holds back the end only while the grammar allows more: a complete answer
+    (here after one or two tokens) would otherwise have no token left and fail."""
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=50, min_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (output,) = llm.generate(["hi"], params, use_tqdm=False)
+    assert output.outputs[0].text in ("yes", "no")
+    assert output.outputs[0].finish_reason == "stop" and output.error is None
+
+
 @pytest.mark.parametrize("constraint,message", [
     ({"json": {"type": "objec"}}, 'invalid json constraint: Unsupported type "objec"'),
     ({"regex": "a("}, "invalid regex constraint: Regex parsing error"),

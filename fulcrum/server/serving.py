@@ -161,6 +161,12 @@ class _Generation:
                              cached_tokens=sum(self.cached_tokens)))
 
 
+def _json_logprob(value: float) -> float:
+    """A logprob JSON can carry: a token a constraint masks has -inf, which JSON lacks
+    (pydantic wrote null where OpenAI's schema wants a number); vLLM's servers send -9999."""
+    return max(value, -9999.0)
+
+
 def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str]) -> CompletionLogprobs:
     """OpenAI's completions logprobs, the echoed prompt's first (its first token has none)."""
     result = CompletionLogprobs()
@@ -170,12 +176,12 @@ def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str]) -> CompletionL
     for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
         token = entry[token_id].decoded_token or "" if entry else decode(token_id)
         result.tokens.append(token)
-        result.token_logprobs.append(entry[token_id].logprob if entry else None)
+        result.token_logprobs.append(_json_logprob(entry[token_id].logprob) if entry else None)
         top: Optional[Dict[str, float]] = None
         if entry:
             top = {}
             for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens may decode alike
-                top.setdefault(lp.decoded_token or "", lp.logprob)
+                top.setdefault(lp.decoded_token or "", _json_logprob(lp.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(max(offset, 0))
         offset += len(token)
@@ -186,14 +192,16 @@ def _prompt_logprobs(entries: Optional[list]) -> Optional[list]:
     """vLLM's prompt_logprobs field: per prompt token, token id -> logprob, rank, text."""
     if entries is None:
         return None
-    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+    return [None if e is None else {t: PromptLogprob(logprob=_json_logprob(lp.logprob),
+                                                     rank=lp.rank,
                                                      decoded_token=lp.decoded_token)
                                     for t, lp in e.items()} for e in entries]
 
 
 def _top_logprob(logprob: Logprob) -> TopLogprob:
     token = logprob.decoded_token or ""
-    return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
+    return TopLogprob(token=token, logprob=_json_logprob(logprob.logprob),
+                      bytes=list(token.encode()))
 
 
 def _chat_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],

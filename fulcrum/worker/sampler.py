@@ -133,10 +133,16 @@ class Sampler:
     @staticmethod
     def _mask_stops_before_min_tokens(logits: torch.Tensor,
                                       rows: List[SamplingRow]) -> torch.Tensor:
+        """Hold stop tokens back until min_tokens are out; except where a grammar allows
+        nothing else (its output is complete): the constraint then ends the request, which
+        would otherwise have no token left to take."""
         masked = False
         for i, row in enumerate(rows):
             num_out = len(row.all_token_ids) - row.num_prompt_tokens
             if num_out < row.params.min_tokens and row.stop_token_ids:
+                if row.grammar is not None and not _allows_more_than(logits[i],
+                                                                    row.stop_token_ids):
+                    continue
                 if not masked:
                     logits, masked = logits.clone(), True
                 logits[i, row.stop_token_ids] = float("-inf")
@@ -194,6 +200,13 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
             for rank, (value, token) in enumerate(zip(values, top), start=1):
                 entry.setdefault(token, Logprob(value, rank))
     return entries
+
+
+def _allows_more_than(logits: torch.Tensor, token_ids: List[int]) -> bool:
+    """Whether a row's logits leave some token outside `token_ids` possible."""
+    possible = logits > float("-inf")
+    possible[token_ids] = False
+    return bool(possible.any())
 
 
 def _banned_by_bad_words(row: SamplingRow) -> List[int]:
