@@ -325,6 +325,7 @@ class AsyncLLM:
             self._engine_waiting = len(self.engine.scheduler.waiting)
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
+        self._aborting.discard(request_id)  # never added: the engine will report nothing
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put_nowait(error)
