@@ -114,7 +114,10 @@ class LLM:
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
+            conversation = [_template_message(m) for m in conversation]
+            if not conversation:
+                raise ValueError("a conversation needs at least one message")
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
                                                  chat_template, **kwargs)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
@@ -166,6 +169,24 @@ class LLM:
                                  cumulative=kind is not RequestOutputKind.DELTA)
             if output.finished:
                 self._kinds.pop(output.request_id, None)
+
+
+def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
+    """A message as the chat template sees it: content given as text parts (OpenAI's list
+    form) joined one part a line, as the server and vLLM join them."""
+    if not isinstance(message, dict):
+        raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"fulcrum's models are text-only: a content part of type "
+                             f"{kind!r} cannot be read")
+        texts.append(part.get("text") or "")
+    return {**message, "content": "\n".join(texts)}
 
 
 def _as_prompt_list(prompts) -> List[PromptType]:

@@ -274,3 +274,15 @@ def test_sampling_params_list_of_something_else(llm):
 def test_a_none_token_id_is_not_a_token_id(llm):
     with pytest.raises(TypeError, match="got NoneType None"):
         llm.generate({"prompt_token_ids": [1, None]}, greedy(), use_tqdm=False)
+
+
+def test_chat_joins_text_parts_as_the_server_does(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                          {"type": "text", "text": "there"}]}]
+    (output,) = llm.chat(parts, greedy(2), use_tqdm=False)
+    assert output.prompt == "<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\n"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="text-only: a content part of type 'image_url'"):
+        llm.chat(image, greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match="a conversation needs at least one message"):
+        llm.chat([[]], greedy(2), use_tqdm=False)

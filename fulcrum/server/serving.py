@@ -488,7 +488,8 @@ class OpenAIServing:
             token_ids = self.llm.engine.encode(text, add_special_tokens=False)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
-        except (ValueError, TypeError, jinja2.TemplateError) as error:
+        except (ValueError, TypeError, ArithmeticError, LookupError,
+                jinja2.TemplateError) as error:  # a template's own errors ({{ 1/0 }}) too
             raise bad_request(error) from None
 
     # ------------------------------------------------------------- shared
