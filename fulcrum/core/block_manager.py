@@ -168,7 +168,7 @@ class BlockManager:
             self._touch(block_id)
         table.extend(computed.block_ids)
         for _ in range(num_new):
-            table.append(self._take_block_after(table[-1] if table else None))
+            table.append(self._take_block_after(table))
         if self.enable_prefix_caching:
             total = request.num_computed_tokens + computed.num_tokens + num_new_tokens
             self._name_full_blocks(request, table, total)
@@ -190,7 +190,7 @@ class BlockManager:
         if num_new > len(self.free_queue):
             return False
         for _ in range(num_new):
-            table.append(self._take_block_after(table[-1] if table else None))
+            table.append(self._take_block_after(table))
         if self.enable_prefix_caching and \
                 min(total, request.num_tokens) // self.block_size > \
                 self._num_named.get(request.request_id, 0):
@@ -245,11 +245,11 @@ class BlockManager:
             del self.free_queue[block_id]
         self.ref_cnt[block_id] += 1
 
-    def _take_block_after(self, last: Optional[int]) -> int:
-        """A free block for a table ending in block `last`: the block after it where that is
-        free and may leave the queue out of order (see the module's docstring), else the
-        queue's front (the least recently used)."""
-        block_id = -1 if last is None else last + 1
+    def _take_block_after(self, table: List[int]) -> int:
+        """A free block to append to `table`: the block after its last where that is free
+        and may leave the queue out of order (see the module's docstring), else the queue's
+        front (the least recently used)."""
+        block_id = table[-1] + 1 if table else -1
         if block_id not in self.free_queue or not self._may_jump_queue(block_id):
             block_id = next(iter(self.free_queue))
         del self.free_queue[block_id]

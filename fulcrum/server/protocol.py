@@ -62,7 +62,7 @@ class RequestBody(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         where = lone_surrogate_at(data)
         if where is not None:
-            raise FieldError(str(where).split(".")[0],
+            raise FieldError(where.split(".")[0],
                              f"{where} is not valid Unicode: it holds a lone surrogate")
         return data
 
