@@ -5,6 +5,10 @@ engine with an error instead of hanging."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -113,41 +117,121 @@ def test_tp2_bf16_native_stack_equals_the_python_layers(tmp_path):
 
 
 @contextlib.contextmanager
-def _rank_killed_mid_run(model_dirs):
-    """An engine at TP=2, one step into a request, whose rank 1 has just been killed."""
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+def _rank_killed_mid_run(folder, signal_=signal.SIGKILL, **kw):
+    """An engine at TP=2, one step into a request, whose rank 1 has just been sent
+    `signal_` (SIGKILL: it ends; SIGSTOP: it stops answering, alive)."""
+    llm = LLM(str(folder), tensor_parallel_size=2, **{**KW, **kw})
     engine = llm.llm_engine
+    process = engine.executor._procs[0]
     try:
         engine.add_request("a", {"prompt_token_ids": PROMPTS[1]},
                            SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
-        process = engine.executor._procs[0]
-        process.kill()
-        process.join(10)
+        os.kill(process.pid, signal_)
+        if signal_ == signal.SIGKILL:
+            process.join(10)
         yield engine
     finally:
+        if signal_ != signal.SIGKILL:
+            process.kill()
         engine.shutdown()
 
 
 def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
-    with _rank_killed_mid_run(model_dirs) as engine:
+    with _rank_killed_mid_run(model_dirs["llama"]) as engine:
         with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped"):
             engine.step()
         with pytest.raises(ExecutorError, match="stopped"):
             engine.step()
 
 
-def test_a_rank_dying_mid_step_fails_the_step_within_the_timeout(model_dirs, monkeypatch):
+@pytest.mark.parametrize("path", ["python", "native"])
+def test_a_rank_dying_mid_step_fails_the_step_at_once(model_dirs, tmp_path, path):
+    # As if it died after the driver's check before the step: the driver meets it in a
+    # collective, in Python's shared-memory waits (float32) or the native stack's (bf16),
+    # and must learn that it ended rather than wait out the collectives' 60 s.
+    from fulcrum.default_model import ensure_config_folder
+
+    folder, kw = model_dirs["llama"], {}
+    if path == "native":
+        folder = ensure_config_folder(tmp_path / "wide", WIDE_HEADS)
+        kw = {"dtype": "bfloat16", "load_format": "dummy"}
+    with _rank_killed_mid_run(folder, **kw) as engine:
+        if path == "native" and engine.runner.model.model.native is None:
+            pytest.skip("no native kernels on this CPU")
+        calls, real = [], engine.executor._dead_ranks
+        # The check before the step misses it; later ones see it.
+        engine.executor._dead_ranks = lambda: real() if calls.append(1) or len(calls) > 1 else ""
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped during a step"):
+            engine.step()
+        assert time.monotonic() - start < 10
+
+
+def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(model_dirs, monkeypatch):
     from fulcrum.distributed import shm
 
     monkeypatch.setattr(shm, "COLLECTIVE_TIMEOUT_S", 2.0)
-    with _rank_killed_mid_run(model_dirs) as engine:
-        # As if it died after the driver's check: the driver reaches its collectives alone.
-        monkeypatch.setattr(engine.executor, "_dead_ranks", lambda: "")
+    with _rank_killed_mid_run(model_dirs["llama"], signal.SIGSTOP) as engine:
         start = time.monotonic()
-        with pytest.raises(ExecutorError, match="did not reach a collective"):
+        with pytest.raises(ExecutorError, match="did not reach a collective within 2 s"):
             engine.step()
         assert time.monotonic() - start < 30
+
+
+def test_a_rank_dying_while_starting_fails_the_engine_at_once(model_dirs):
+    # Killed while it imports torch, before it joins the group: the driver's wait to meet
+    # it (gloo's rendezvous would wait 600 s) must end with the rank's fate.
+    def kill_the_first_rank():
+        deadline = time.monotonic() + 60
+        while not multiprocessing.active_children() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for child in multiprocessing.active_children():
+            child.kill()
+
+    killer = threading.Thread(target=kill_the_first_rank, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"rank 1 \(exit code -9\) stopped while the engine "
+                                            r"started"):
+        LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    assert time.monotonic() - start < 60
+    killer.join(10)
+
+
+DRIVER_KILLED_SCRIPT = """
+import os, signal, sys
+from fulcrum import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 20)
+    print("RANK", llm.llm_engine.executor._procs[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_ranks_end_when_their_driver_is_killed(model_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_KILLED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(model_dirs["llama"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pid = int(next(line for line in done.stdout.splitlines() if line.startswith("RANK "))[5:])
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def test_shard_checks_and_vocab_padding():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any, Callable, Optional, cast
 
 import numpy as np
@@ -22,20 +23,25 @@ from fulcrum.distributed.shm import SharedMemoryCollectives
 
 # A collective that does not complete within this long means a rank is gone.
 DEFAULT_TIMEOUT_S = 600.0
+# How often a rank waiting for the others to join asks whether one has ended meanwhile.
+JOIN_POLL_S = 0.02
 
 
 class ParallelGroup:
     def __init__(self, rank: int, world_size: int, store: "dist.Store", device: torch.device,
                  host: Optional[str], timeout_s: float = DEFAULT_TIMEOUT_S,
                  prefix: str = "fulcrum", same_host: bool = False,
-                 driver_gone: Callable[[], bool] = lambda: False) -> None:
+                 gone: Callable[[], str] = lambda: "") -> None:
         """`host`: this rank's address as the others reach it (gloo listens there); None:
-        gloo's choice (the hostname's address, or $GLOO_SOCKET_IFNAME's). `driver_gone`:
-        whether rank 0's process has ended (a rank waiting for its next step then stops)."""
-        self.driver_gone = driver_gone
+        gloo's choice (the hostname's address, or $GLOO_SOCKET_IFNAME's). `gone`: which of
+        the other ranks are known to have ended ('' while all live), as this rank's launcher
+        sees them; waits for the others (joining the group, collectives through shared
+        memory, the next step) ask it and stop with it rather than wait out a timeout."""
+        self.gone = gone
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
         self.rank, self.world_size, self.device = rank, world_size, device
+        _join(store, f"{prefix}/joined", rank, world_size, gone, timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
@@ -58,7 +64,14 @@ class ParallelGroup:
                     store.set(key, path)
                 return cast(bytes, store.get(key)).decode()
 
-            self.shm = SharedMemoryCollectives(rank, world_size, publish, self.barrier)
+            self.shm = SharedMemoryCollectives(rank, world_size, publish, self.barrier, gone)
+
+    def abort(self) -> None:
+        """Stop every rank's current and later shared-memory collectives with an error: a
+        rank has ended, and those waiting for it (in native code, where `gone` is not
+        asked) must not wait out the timeout."""
+        if self.shm is not None:
+            self.shm.abort()
 
     def barrier(self) -> None:
         self.cpu.allreduce([torch.zeros(1)]).wait()
@@ -96,7 +109,7 @@ class ParallelGroup:
         through shared memory when it fits, else gloo."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None
         if self.shm is not None:
-            received = self.shm.broadcast_bytes(data, self.driver_gone)
+            received = self.shm.broadcast_bytes(data)
             if received is not None:
                 return obj if self.is_driver else pickle.loads(received)
         size = torch.tensor([len(data) if self.is_driver else 0], dtype=torch.int64)
@@ -110,7 +123,7 @@ class ParallelGroup:
 def connect(rank: int, world_size: int, store_host: str, store_port: int,
             device: torch.device, host: Optional[str], timeout_s: float = DEFAULT_TIMEOUT_S,
             is_master: Optional[bool] = None, same_host: bool = False,
-            driver_gone: Callable[[], bool] = lambda: False) -> ParallelGroup:
+            gone: Callable[[], str] = lambda: "") -> ParallelGroup:
     """Join the group whose store listens at store_host:store_port (rank 0 hosts it unless
     told otherwise, as under torchrun, whose agent hosts it). `same_host`: every rank runs
     on this machine (CPU collectives then go through shared memory)."""
@@ -118,4 +131,23 @@ def connect(rank: int, world_size: int, store_host: str, store_port: int,
                           is_master if is_master is not None else rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return ParallelGroup(rank, world_size, store, device, host, timeout_s,
-                         same_host=same_host, driver_gone=driver_gone)
+                         same_host=same_host, gone=gone)
+
+
+def _join(store: "dist.Store", prefix: str, rank: int, world_size: int,
+          gone: Callable[[], str], timeout_s: float) -> None:
+    """Wait until every rank has reached the store. Gloo's own rendezvous would wait out its
+    whole timeout for a rank that died while starting (importing torch takes seconds, loading
+    its weights longer); here each look at the store also asks `gone`."""
+    store.set(f"{prefix}/{rank}", b"1")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        ended = gone()
+        if ended:
+            raise ConnectionError(f"{ended} before joining the group")
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(f"tensor-parallel ranks {missing} did not join within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(JOIN_POLL_S)

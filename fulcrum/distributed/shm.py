@@ -31,6 +31,9 @@ COLLECTIVE_TIMEOUT_S = 60.0
 # A rank waiting for the driver's next step (idle for as long as the server is) sleeps
 # between looks at the flag, up to this long.
 IDLE_SLEEP_S = 0.002
+# Waits ask `gone()` at most this often (it may cost a system call).
+GONE_POLL_S = 0.01
+_ABORT_AT = FLAGS_BYTES - 8  # the flags area's last word (the flags take 16 bytes a rank)
 _HEADER = 8  # a message's length (int64; -1: it did not fit and follows over gloo)
 
 
@@ -38,14 +41,18 @@ class _ShmGroup(ctypes.Structure):  # kernels/shm_collectives.cpp's ShmGroup
     _fields_ = [("ready", ctypes.c_void_p), ("done", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
                 ("seq", ctypes.c_void_p), ("rank", ctypes.c_int32), ("world", ctypes.c_int32),
-                ("timeout_s", ctypes.c_double)]
+                ("timeout_s", ctypes.c_double), ("abort", ctypes.c_void_p)]
 
 
 class SharedMemoryCollectives:
     def __init__(self, rank: int, world_size: int, publish: Callable[[str], str],
-                 barrier: Callable[[], None]) -> None:
-        """`publish(name)` gives every rank rank 0's file name; `barrier()` waits for all."""
-        self.rank, self.world_size = rank, world_size
+                 barrier: Callable[[], None], gone: Callable[[], str] = lambda: "") -> None:
+        """`publish(name)` gives every rank rank 0's file name; `barrier()` waits for all;
+        `gone()` names the ranks known to have ended (see ParallelGroup)."""
+        if 16 * world_size > _ABORT_AT:
+            raise ValueError(f"shared-memory collectives hold at most {_ABORT_AT // 16} ranks")
+        self.rank, self.world_size, self.gone = rank, world_size, gone
+        self._next_look = 0.0
         size = FLAGS_BYTES + world_size * 2 * SLOT_BYTES
         path = None
         if rank == 0:
@@ -61,6 +68,8 @@ class SharedMemoryCollectives:
         # Per rank: the sequence number of its latest data, and of the latest it has read.
         self._ready = np.frombuffer(self._map, np.int64, world_size, 0)
         self._done = np.frombuffer(self._map, np.int64, world_size, 8 * world_size)
+        # Raised by any rank that learns that another has ended: every wait then stops.
+        self._abort = np.frombuffer(self._map, np.int64, 1, _ABORT_AT)
         self._seq = ctypes.c_int64(0)  # the round counter, shared with the native path
         self._views: Dict[torch.dtype, torch.Tensor] = {}
         # The same protocol in C for bf16 (kernels/shm_collectives.cpp), which the native
@@ -71,7 +80,10 @@ class SharedMemoryCollectives:
             base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
             self._group = _ShmGroup(base, base + 8 * world_size, base + FLAGS_BYTES, SLOT_BYTES,
                                     ctypes.addressof(self._seq), rank, world_size,
-                                    COLLECTIVE_TIMEOUT_S)
+                                    COLLECTIVE_TIMEOUT_S, base + _ABORT_AT)
+
+    def abort(self) -> None:
+        self._abort[0] = 1
 
     def native(self) -> Optional[Tuple[int, int]]:
         """(the C all-reduce's address, its group argument), for native callers; or None."""
@@ -109,17 +121,29 @@ class SharedMemoryCollectives:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 time.sleep(0)  # let other threads (the server's) have the interpreter
-                deadline = deadline or time.monotonic() + COLLECTIVE_TIMEOUT_S
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                deadline = deadline or now + COLLECTIVE_TIMEOUT_S
+                if now > deadline:
                     raise TimeoutError(f"a tensor-parallel rank did not reach a collective "
                                        f"within {COLLECTIVE_TIMEOUT_S:.0f} s")
+                self._check_group(now)
 
-    def broadcast_bytes(self, data: Optional[bytes],
-                        give_up: Callable[[], bool] = lambda: False) -> Optional[bytes]:
+    def _check_group(self, now: float) -> None:
+        """Raise if the group was aborted or a rank is known to have ended (asked at most
+        every GONE_POLL_S: finding out may cost a system call)."""
+        if self._abort[0]:
+            raise ConnectionError(self.gone() or "the tensor-parallel group was aborted")
+        if now >= self._next_look:
+            self._next_look = now + GONE_POLL_S
+            ended = self.gone()
+            if ended:
+                raise ConnectionError(ended)
+
+    def broadcast_bytes(self, data: Optional[bytes]) -> Optional[bytes]:
         """Rank 0's `data` on every rank, through rank 0's slot; None where it did not fit
         (the caller then sends it over gloo). The other ranks may wait here between steps
         for as long as the driver is idle: they sleep between looks, and stop waiting with
-        an error once `give_up()` says the driver is gone."""
+        an error once the driver is gone."""
         self._seq.value += 1
         seq = self._seq.value
         flat = self._slot(0, seq, torch.uint8, SLOT_BYTES).numpy()
@@ -133,19 +157,18 @@ class SharedMemoryCollectives:
             self._ready[0] = seq
             self._done[0] = seq
             return data if fits else None
-        self._wait_for_driver(seq, give_up)
+        self._wait_for_driver(seq)
         size = int(flat[:_HEADER].view(np.int64)[0])
         received = None if size < 0 else flat[_HEADER:_HEADER + size].tobytes()
         self._done[self.rank] = seq
         return received
 
-    def _wait_for_driver(self, seq: int, give_up: Callable[[], bool]) -> None:
+    def _wait_for_driver(self, seq: int) -> None:
         spins, sleep = 0, 1e-5
         while self._ready[0] < seq:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
-                if give_up():
-                    raise ConnectionError("the tensor-parallel driver is gone")
+                self._check_group(time.monotonic())
                 time.sleep(sleep)
                 sleep = min(2 * sleep, IDLE_SLEEP_S)
 
@@ -155,6 +178,8 @@ class SharedMemoryCollectives:
                                                                x.data_ptr(), x.numel())
             if status == 1:
                 raise ValueError(f"{x.numel()} values do not fit a shared-memory slot")
+            if status == 3:
+                self._check_group(time.monotonic())
             if status:
                 raise TimeoutError(f"a tensor-parallel rank did not reach a collective "
                                    f"within {COLLECTIVE_TIMEOUT_S:.0f} s")

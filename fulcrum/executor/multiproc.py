@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
+import threading
 import weakref
 from typing import List, Optional, Sequence
 
 import torch
 
-from fulcrum.distributed.group import connect
+from fulcrum.distributed.group import ParallelGroup, connect
 from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
 from fulcrum.executor.parallel import ParallelExecutor, describe_dead
 from fulcrum.worker.worker import Worker, WorkerConfig
@@ -27,7 +29,8 @@ def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
     group = connect(rank, world_size, LOCALHOST, port,
                     torch.device("cuda", rank) if wc.device == "cuda" else torch.device("cpu"),
                     host=LOCALHOST, same_host=True,
-                    driver_gone=lambda: os.getppid() != parent)
+                    gone=lambda: "the tensor-parallel driver ended" if os.getppid() != parent
+                    else "")
     Worker(wc, group).follow_driver()
 
 
@@ -48,12 +51,12 @@ class MultiprocExecutor(ParallelExecutor):
             self._pin_driver(cores[0])
             group = connect(0, world, LOCALHOST, port,
                             torch.device("cuda", 0) if wc.device == "cuda" else torch.device("cpu"),
-                            host=LOCALHOST, same_host=True)
+                            host=LOCALHOST, same_host=True, gone=self._dead_ranks)
+            threading.Thread(target=_abort_when_one_ends, args=(self._procs, group),
+                             name="fulcrum-tp-watch", daemon=True).start()
             self._start_driver(wc, group)
         except BaseException as error:
-            self._failed = error
-            self.shutdown()
-            raise
+            self._fail_start(error)
 
     def _dead_ranks(self) -> str:
         return describe_dead([f"rank {rank} (exit code {p.exitcode})"
@@ -62,6 +65,14 @@ class MultiprocExecutor(ParallelExecutor):
     def _stop_ranks(self) -> None:
         self._finalizer.detach()
         _stop(self._procs, 0.0 if self._failed else STOP_TIMEOUT_S)
+
+
+def _abort_when_one_ends(procs: List[multiprocessing.Process], group: ParallelGroup) -> None:
+    """Abort the group's collectives as soon as a rank's process ends (at shutdown too,
+    when nothing waits on them any more): the driver may be waiting for it inside native
+    code, which cannot ask who has ended."""
+    multiprocessing.connection.wait([process.sentinel for process in procs])
+    group.abort()
 
 
 def _stop(procs: List[multiprocessing.Process], grace_s: float) -> None:

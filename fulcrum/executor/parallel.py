@@ -56,8 +56,23 @@ class ParallelExecutor(Executor):
                 self.group.broadcast_object(step)
             return self.driver.runner.execute(output)
         except Exception as error:
-            self._failed = error
-            raise ExecutorError(f"a tensor-parallel step failed: {error!r}") from error
+            raise (self._failure(error, "during a step")
+                   or ExecutorError(f"a tensor-parallel step failed: {error!r}")) from error
+
+    def _failure(self, error: BaseException, during: str) -> Optional[ExecutorError]:
+        """Record `error`; and if ranks have ended, the error that names them (the failed
+        collective or message was only their consequence)."""
+        self._failed = error
+        dead = self._dead_ranks()
+        return ExecutorError(f"{dead} {during}") if dead else None
+
+    def _fail_start(self, error: BaseException) -> None:
+        """Called from the executor's `except` while starting: stop, and raise."""
+        failure = self._failure(error, "while the engine started")
+        self.shutdown()
+        if failure is None or not isinstance(error, Exception):
+            raise error
+        raise failure from error
 
     def shutdown(self) -> None:
         if self._closed:

@@ -5,11 +5,12 @@ cluster; otherwise Ray starts a local one). Ray is an optional extra: pip instal
 
 from __future__ import annotations
 
+import threading
 from typing import List, Optional, Sequence
 
 import torch
 
-from fulcrum.distributed.group import connect
+from fulcrum.distributed.group import ParallelGroup, connect
 from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
 from fulcrum.executor.parallel import ParallelExecutor, describe_dead
 from fulcrum.worker.worker import Worker, WorkerConfig
@@ -85,12 +86,13 @@ class RayExecutor(ParallelExecutor):
                           for rank, (actor, ip) in enumerate(zip(self._actors, ips), 1)]
             self._pin_driver(cores[0])
             device = torch.device("cuda", 0) if not cpu else torch.device("cpu")
-            self._start_driver(wc, connect(0, world, driver_ip, port, device, host=driver_ip,
-                                           same_host=same_host))
+            group = connect(0, world, driver_ip, port, device, host=driver_ip,
+                            same_host=same_host, gone=self._dead_ranks)
+            threading.Thread(target=_abort_when_one_ends, args=(self._runs, group),
+                             name="fulcrum-tp-watch", daemon=True).start()
+            self._start_driver(wc, group)
         except BaseException as error:
-            self._failed = error
-            self.shutdown()
-            raise
+            self._fail_start(error)
 
     def _dead_ranks(self) -> str:
         ray = _ray()
@@ -116,3 +118,12 @@ class RayExecutor(ParallelExecutor):
         remove_placement_group(self._placement)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _abort_when_one_ends(runs: List, group: ParallelGroup) -> None:
+    """Abort the group's collectives as soon as a rank's actor ends (see multiproc.py)."""
+    try:
+        _ray().wait(runs, num_returns=1)
+    except Exception:  # noqa: BLE001 - Ray was shut down with the engine: nothing to abort
+        return
+    group.abort()

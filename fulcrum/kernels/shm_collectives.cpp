@@ -26,6 +26,7 @@ struct ShmGroup {
   int64_t* seq;       // this rank's round counter (shared with the Python side)
   int32_t rank, world;
   double timeout_s;   // a rank that has not arrived by then is taken for gone
+  const int64_t* abort;  // raised by a rank that learns another has ended: stop waiting
 };
 
 static double now_s() {
@@ -34,20 +35,22 @@ static double now_s() {
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-// Spin until every rank's flag reaches `round`; false after the group's timeout (ranks run in
-// lockstep, so the wait is the others' lag behind this rank, normally microseconds).
-static bool wait_all(const ShmGroup& g, const int64_t* flags, int64_t round) {
+// Spin until every rank's flag reaches `round`: 0; 2 after the group's timeout (ranks run in
+// lockstep, so the wait is the others' lag behind this rank, normally microseconds); 3 once
+// the group is aborted.
+static int wait_all(const ShmGroup& g, const int64_t* flags, int64_t round) {
   double deadline = 0;
   for (int r = 0; r < g.world; ++r) {
     for (int spins = 0; __atomic_load_n(flags + r, __ATOMIC_ACQUIRE) < round; ++spins) {
       _mm_pause();
       if ((spins & 4095) == 4095) {
+        if (__atomic_load_n(g.abort, __ATOMIC_RELAXED)) return 3;
         if (deadline == 0) deadline = now_s() + g.timeout_s;
-        else if (now_s() > deadline) return false;
+        else if (now_s() > deadline) return 2;
       }
     }
   }
-  return true;
+  return 0;
 }
 
 static uint16_t* slot(const ShmGroup& g, int rank, int64_t round) {
@@ -55,15 +58,15 @@ static uint16_t* slot(const ShmGroup& g, int rank, int64_t round) {
 }
 
 // x [n] bf16, summed over the ranks in place. 0 on success, 1 if it does not fit a slot,
-// 2 if a rank did not arrive within the timeout.
+// 2 if a rank did not arrive within the timeout, 3 if the group was aborted.
 int fulcrum_shm_all_reduce_bf16(const ShmGroup* group, uint16_t* x, int64_t n) {
   const ShmGroup& g = *group;
   if (n * 2 > g.slot_bytes) return 1;
   const int64_t round = ++*g.seq;
-  if (!wait_all(g, g.done, round - 2)) return 2;
+  if (const int status = wait_all(g, g.done, round - 2)) return status;
   std::memcpy(slot(g, g.rank, round), x, n * 2);
   __atomic_store_n(g.ready + g.rank, round, __ATOMIC_RELEASE);
-  if (!wait_all(g, g.ready, round)) return 2;
+  if (const int status = wait_all(g, g.ready, round)) return status;
   std::memcpy(x, slot(g, 0, round), n * 2);
   for (int r = 1; r < g.world; ++r) {
     const uint16_t* other = slot(g, r, round);
