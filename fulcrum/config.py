@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from fulcrum.sampling_params import is_int
+
 SchedulingPolicy = Literal["slo", "fcfs", "priority"]
 BatchingMode = Literal["continuous", "static"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
@@ -119,8 +121,7 @@ class EngineConfig:
     def _check_ranges(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -130,15 +131,13 @@ class EngineConfig:
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} (vLLM's largest), "
                              f"got {self.block_size}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
-                or not -2**63 <= self.seed < 2**64:
+        if not is_int(self.seed) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ValueError(
                 f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         threshold = self.long_prefill_token_threshold
-        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool)
-                                      or threshold < 0):
+        if threshold is not None and (not is_int(threshold) or threshold < 0):
             raise ValueError(f"long_prefill_token_threshold must be a non-negative integer, "
                              f"got {threshold!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -184,6 +183,9 @@ class EngineConfig:
     def resolve(self, model_max_len: int) -> "EngineConfig":
         """Return a copy with max_model_len, the token budget and the prefill cap filled in."""
         max_model_len = self.max_model_len or model_max_len
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated "
+                             f"one), got {max_model_len}")
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's maximum context "

@@ -31,7 +31,7 @@ from fulcrum.worker.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
 from fulcrum.core.request import Request, RequestStatus, SloTargets
-from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_int
 from fulcrum.core.scheduler import Scheduler
 from fulcrum.core.scheduling_policy import derived_targets
 from fulcrum.stats import FinishedRequest, StepStats
@@ -54,9 +54,21 @@ GRAMMAR_WAIT_S = 0.05
 
 
 def resolve_device(device: str) -> torch.device:
+    """'auto': CUDA where this machine and this build of torch have it, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: fulcrum runs on 'cpu', 'cuda' (or 'cuda:N') "
+                         f"or 'auto'")
+    if resolved.type == "cuda" and not (
+            torch.cuda.is_available() and (resolved.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {device!r}: no such CUDA device here (this build of torch "
+                         f"sees {torch.cuda.device_count()})")
+    return resolved
 
 
 class LLMEngine:
@@ -66,6 +78,7 @@ class LLMEngine:
         if model_dir is None:
             model_dir, load_format = default_model_dir(), "dummy"
         hf_config = load_hf_config(model_dir)
+        self._shut_down = False
         self.model_dir = model_dir
         self.config = config.resolve(hf_config.get("max_position_embeddings", 2048))
         self.device = resolve_device(config.device)
@@ -112,8 +125,14 @@ class LLMEngine:
         return self.executor.runner
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (requests in flight are dropped)."""
+        """Stop the other tensor-parallel ranks, if any (requests in flight are dropped).
+        The engine takes no request and runs no step after it, whatever its executor."""
+        self._shut_down = True
         self.executor.shutdown()
+
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down")
 
     # ---------------------------------------------------------- step-time model
     def _profile_step_time(self) -> None:
@@ -148,8 +167,9 @@ class LLMEngine:
         ids = itertools.count(1)
         tokens = lambda n: [next(ids) % self.vocab_size for _ in range(n)]  # noqa: E731
         outputs = lambda n, wanted: max(1, min(wanted, room - n))  # noqa: E731
+        medium_len = max(1, long_len // 4)
         return ([("fulcrum-profile-long", tokens(long_len), outputs(long_len, 8)),
-                 ("fulcrum-profile-medium", tokens(max(1, long_len // 4)), 2)]
+                 ("fulcrum-profile-medium", tokens(medium_len), outputs(medium_len, 2))]
                 + [(f"fulcrum-profile-{i}", tokens(short_len), outputs(short_len, 2 + i % 4))
                    for i in range(count)])
 
@@ -275,7 +295,7 @@ class LLMEngine:
         self._check_token_ids("prompt token id", token_ids)
 
     def _check_token_ids(self, what: str, token_ids: Iterable[int]) -> None:
-        bad = [t for t in token_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what} {bad[0]} is out of vocabulary (valid ids are 0.."
                              f"{self.vocab_size - 1})")
@@ -331,7 +351,7 @@ class LLMEngine:
     def validate_priority(self, priority: int) -> None:
         """A priority only the priority policy reads is refused elsewhere (as vLLM does),
         rather than accepted and silently ignored."""
-        if not _is_int(priority):
+        if not is_int(priority):
             raise TypeError("priority must be an integer")
         policy = self.config.scheduling_policy
         if priority != 0 and policy != "priority":
@@ -342,6 +362,7 @@ class LLMEngine:
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                     priority: int = 0) -> str:
         """Queue a request; raises ValueError/TypeError (and queues nothing) on bad input."""
+        self._check_running()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -399,6 +420,7 @@ class LLMEngine:
         """Run one step. A failure confined to some requests fails those alone (finish reason
         "error"); a failed forward pass fails the step's requests and gives their blocks back.
         Anything else raised here means the engine's state can no longer be trusted."""
+        self._check_running()
         start_wall = time.monotonic()
         start = time.perf_counter()
         grammar_failed = self._grammar_failures() if self._compiling else {}
@@ -473,10 +495,6 @@ class LLMEngine:
     @property
     def last_step_stats(self) -> Optional[StepStats]:
         return self.stats[-1] if self.stats else None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_token_id(value: object) -> bool:

@@ -9,9 +9,10 @@ and a folder path reads the file from that folder instead of the model's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from fulcrum.json_files import read_json_object
 
 # generation_config.json key -> SamplingParams field.
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -31,9 +32,6 @@ def load_generation_defaults(source: str, model_dir: Optional[str]) -> Dict[str,
         raise FileNotFoundError(f"generation_config {source!r}: no generation_config.json "
                                 "in that folder (use 'auto' for the model's own or 'vllm' "
                                 "for none)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    data = read_json_object(path)
     return {ours: data[theirs] for theirs, ours in FIELDS.items()
             if data.get(theirs) is not None}

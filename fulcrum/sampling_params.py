@@ -26,7 +26,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """A Python integer, not a bool (True is an int to isinstance)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -158,8 +159,6 @@ class SamplingParams:
         def fail(name: str, rule: str) -> None:
             raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
-        is_int = _is_int
-
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -215,7 +214,6 @@ class SamplingParams:
             fail("structured_outputs", "must be a StructuredOutputsParams")
 
     def _verify_token_controls(self) -> None:
-        is_int = _is_int
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError("logit_bias must map token ids to biases")
@@ -258,7 +256,7 @@ class SamplingParams:
         if len(ids) > MAX_ALLOWED_TOKEN_IDS:
             raise ValueError(f"allowed_token_ids has {len(ids)} entries; at most "
                              f"{MAX_ALLOWED_TOKEN_IDS} allowed")
-        if not all(_is_int(t) and t >= 0 for t in ids):
+        if not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         self.allowed_token_ids = list(dict.fromkeys(ids))  # the mask is built every step
 

@@ -10,9 +10,11 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from fulcrum.json_files import read_json_object
+
 
 def _read_json(path: Path) -> Dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_content(value: Any) -> Optional[str]:
@@ -33,7 +35,11 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(
                 f"no tokenizer.json in {folder}: fulcrum needs a fast (tokenizers) tokenizer")
-        self._tok = _HFTokenizer.from_file(str(file))
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as error:  # tokenizers raises a bare Exception
+            raise ValueError(f"{file} is not a tokenizer the tokenizers library reads: "
+                             f"{error}") from None
         config = _read_json(folder / "tokenizer_config.json")
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import VOCAB
 from fulcrum import LLM, SamplingParams
@@ -286,6 +287,19 @@ def test_abort_mid_generation_frees_blocks(llm):
     assert_all_blocks_free(engine)
 
 
+def test_a_shut_down_engine_refuses_requests_and_steps(llm):
+    engine = llm.llm_engine
+    engine.add_request("queued", ids(5, 6), SamplingParams(max_tokens=3))
+    engine.shutdown()
+    engine.shutdown()  # twice is harmless
+    with pytest.raises(RuntimeError, match="this engine was shut down"):
+        engine.add_request("late", ids(5), SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="this engine was shut down"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="this engine was shut down"):
+        llm.generate([ids(5)], SamplingParams(max_tokens=3), use_tqdm=False)
+
+
 def test_abort_of_waiting_and_n_gt_1_request(llama_dir):
     llm = LLM(str(llama_dir), max_model_len=MAX_LEN, block_size=4, max_num_seqs=2)
     engine = llm.llm_engine
@@ -361,9 +375,76 @@ def test_weight_shape_mismatch(llama_dir, tmp_path):
         LLM(str(folder))
 
 
+@pytest.mark.parametrize("file, content, message", [
+    ("config.json", b"{", r"config\.json is not valid JSON"),
+    ("config.json", b"[1, 2]", r"config\.json holds no JSON object"),
+    ("config.json", b"\xff\xfe{}", r"config\.json is not text"),
+    ("tokenizer.json", b"garbage", r"tokenizer\.json is not a tokenizer"),
+    ("tokenizer_config.json", b"{\"bos_token\": ", r"tokenizer_config\.json is not valid JSON"),
+    ("generation_config.json", b"nope", r"generation_config\.json is not valid JSON"),
+    ("model.safetensors", b"\x10\x00\x00", r"model\.safetensors is not a readable safetensors"),
+])
+def test_a_broken_file_in_the_model_folder_is_named(llama_dir, tmp_path, file, content, message):
+    folder = copy_model(llama_dir, tmp_path)
+    (folder / file).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder))
+
+
+def test_the_command_line_reports_a_broken_model_folder_in_one_line(llama_dir, tmp_path, capsys):
+    from fulcrum.cli import main
+
+    folder = copy_model(llama_dir, tmp_path)
+    (folder / "tokenizer.json").write_text("garbage")
+    assert main(["generate", str(folder), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fulcrum generate: error: ") and "tokenizer.json is not a tokenizer" in err
+    assert "Traceback" not in err
+
+
+def test_a_truncated_safetensors_file_is_named(llama_dir, tmp_path):
+    folder = copy_model(llama_dir, tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors"):
+        LLM(str(folder))
+
+
+def test_integer_weights_are_refused_not_cast(llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_model(llama_dir, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = weights[name].to(torch.int8)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"{name}' is torch.int8: fulcrum reads floating"):
+        LLM(str(folder))
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "fulcrum runs on 'cpu', 'cuda'"), ("meta", "fulcrum runs on 'cpu', 'cuda'"),
+    (7, "fulcrum runs on 'cpu', 'cuda'"),
+    ("cuda:99", "no such CUDA device here"),
+])
+def test_a_device_fulcrum_cannot_run_on_is_refused(llama_dir, device, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(llama_dir), device=device)
+
+
 def test_max_model_len_beyond_the_model(llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(llama_dir), max_model_len=10_000)
+
+
+def test_the_shortest_context_holds_one_prompt_token_and_one_generated(llama_dir):
+    with pytest.raises(ValueError, match="max_model_len must be at least 2"):
+        LLM(str(llama_dir), max_model_len=1)
+    llm = LLM(str(llama_dir), max_model_len=2)  # its start-up profile fits too
+    out = llm.generate([ids(5)], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="maximum context length is 2"):
+        llm.generate([ids(5, 6)], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def test_kv_cache_too_small_for_one_request(llama_dir):

@@ -391,6 +391,10 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             tensor = self.shard.slice(name, tensor)
+            if not tensor.is_floating_point():
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}: fulcrum reads "
+                                 f"floating-point checkpoints (not pre-quantized ones; "
+                                 f"quantization='int8' quantizes at load)")
             if shard is None:
                 _copy_checked(params[target], tensor, name)
             else:

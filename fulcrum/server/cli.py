@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     server.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only; "
                              "0.0.0.0 accepts remote clients)")
-    server.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    server.add_argument("--port", type=port, default=8000,
+                        help="port (default 8000)")
     server.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for "
                              "several keys (default: $FULCRUM_API_KEY, comma-separated)")
@@ -152,3 +153,11 @@ def run_router(args: argparse.Namespace) -> int:
         return 0
     finally:
         replicas.stop()
+
+
+def port(text: str) -> int:
+    """A TCP port number (argparse names the function in its error for a non-number)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
+    return value

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from fulcrum.json_files import read_json_object
 from fulcrum.models.attention import AttentionBackend
 from fulcrum.models import model_class
 from fulcrum.models.layers import STACKED_PARAMS, DecoderForCausalLM, MergedLinear
@@ -33,7 +34,7 @@ def load_hf_config(model_dir: str) -> Dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{model_dir!r} has no config.json")
-    return json.loads(config_file.read_text())
+    return read_json_object(config_file)
 
 
 def resolve_dtype(dtype: str, hf_config: Dict[str, Any]) -> torch.dtype:
@@ -50,9 +51,22 @@ def resolve_dtype(dtype: str, hf_config: Dict[str, Any]) -> torch.dtype:
 def _safetensors_files(folder: Path) -> list:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
         return [folder / name for name in sorted(set(weight_map.values()))]
     return sorted(folder.glob("*.safetensors"))
+
+
+def _safetensors_slices(file: Path) -> Iterator[Tuple[str, Any]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+    except (SafetensorError, OSError) as error:  # a truncated or foreign file
+        raise ValueError(f"{file} is not a readable safetensors file: {error}") from None
 
 
 def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
@@ -62,12 +76,8 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
     if load_format in ("auto", "safetensors"):
         files = _safetensors_files(folder)
         if files:
-            from safetensors import safe_open
-
             for file in files:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_slice(name)
+                yield from _safetensors_slices(file)
             return
         if load_format == "safetensors" or not list(folder.glob("*.bin")):
             raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}")
@@ -79,7 +89,11 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
         if not files:
             raise FileNotFoundError(f"no *.bin weights in {model_dir!r}")
         for file in files:
-            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+            try:
+                weights = torch.load(file, map_location="cpu", weights_only=True)
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+                raise ValueError(f"{file} is not a readable PyTorch checkpoint: {error}") from None
+            yield from weights.items()
         return
     raise ValueError(f"cannot read weights with load_format={load_format!r}")
 
