@@ -145,6 +145,20 @@ def test_a_dead_rank_fails_the_engine_not_hangs(model_dirs):
             engine.step()
 
 
+def test_the_error_a_rank_failed_with_reaches_the_driver(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    engine = llm.llm_engine
+    try:
+        engine.executor.group.broadcast_object("not a step")  # rank 1 fails to follow it
+        engine.executor._procs[0].join(30)
+        with pytest.raises(ExecutorError, match=r"rank 1 \(exit code 1: AttributeError: 'str' "
+                                                r"object has no attribute 'apply_to'\) stopped"):
+            engine.add_request("a", {"prompt_token_ids": [5]}, SamplingParams(max_tokens=2))
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("path", ["python", "native"])
 def test_a_rank_dying_mid_step_fails_the_step_at_once(model_dirs, tmp_path, path):
     # As if it died after the driver's check before the step: the driver meets it in a

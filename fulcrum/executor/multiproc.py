@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import threading
 import weakref
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -18,20 +19,28 @@ from fulcrum.worker.worker import Worker, WorkerConfig
 
 LOCALHOST = "127.0.0.1"
 STOP_TIMEOUT_S = 10.0
+MAX_LAST_WORDS = 300  # characters of a failed rank's error passed on to the driver
 
 
 def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
-             cores: Optional[Sequence[int]]) -> None:
-    """A spawned rank's whole life: pin, join the group, build its share, follow."""
-    if cores:
-        pin_to_cores(cores)
-    parent = os.getppid()
-    group = connect(rank, world_size, LOCALHOST, port,
-                    torch.device("cuda", rank) if wc.device == "cuda" else torch.device("cpu"),
-                    host=LOCALHOST, same_host=True,
-                    gone=lambda: "the tensor-parallel driver ended" if os.getppid() != parent
-                    else "")
-    Worker(wc, group).follow_driver()
+             cores: Optional[Sequence[int]],
+             last_words: multiprocessing.connection.Connection) -> None:
+    """A spawned rank's whole life: pin, join the group, build its share, follow. If it
+    fails, the error goes to the driver through `last_words` (its traceback to stderr)."""
+    try:
+        if cores:
+            pin_to_cores(cores)
+        parent = os.getppid()
+        group = connect(rank, world_size, LOCALHOST, port,
+                        torch.device("cuda", rank) if wc.device == "cuda" else torch.device("cpu"),
+                        host=LOCALHOST, same_host=True,
+                        gone=lambda: "the tensor-parallel driver ended" if os.getppid() != parent
+                        else "")
+        Worker(wc, group).follow_driver()
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # the driver may be gone
+            last_words.send(f"{type(error).__name__}: {error}".splitlines()[0][:MAX_LAST_WORDS])
+        raise
 
 
 class MultiprocExecutor(ParallelExecutor):
@@ -40,12 +49,17 @@ class MultiprocExecutor(ParallelExecutor):
         cores = split_cores(world) if wc.device == "cpu" else [None] * world
         port = free_port(LOCALHOST)
         context = multiprocessing.get_context("spawn")  # forking a process with threads is unsafe
-        self._procs = [context.Process(target=run_rank, args=(wc, rank, world, port, cores[rank]),
+        pipes = [context.Pipe(duplex=False) for _ in range(1, world)]
+        self._last_words = [reader for reader, _ in pipes]
+        self._why: Dict[int, str] = {}
+        self._procs = [context.Process(target=run_rank,
+                                       args=(wc, rank, world, port, cores[rank], writer),
                                        name=f"fulcrum-tp-rank{rank}", daemon=True)
-                       for rank in range(1, world)]
+                       for rank, (_, writer) in enumerate(pipes, 1)]
         super().__init__()
-        for process in self._procs:
+        for process, (_, writer) in zip(self._procs, pipes):
             process.start()
+            writer.close()  # the rank holds its own end; at its exit the pipe reads EOF
         self._finalizer = weakref.finalize(self, _stop, self._procs, 0.0)
         try:
             self._pin_driver(cores[0])
@@ -59,8 +73,18 @@ class MultiprocExecutor(ParallelExecutor):
             self._fail_start(error)
 
     def _dead_ranks(self) -> str:
-        return describe_dead([f"rank {rank} (exit code {p.exitcode})"
+        return describe_dead([f"rank {rank} (exit code {p.exitcode}{self._error_of(rank)})"
                               for rank, p in enumerate(self._procs, 1) if not p.is_alive()])
+
+    def _error_of(self, rank: int) -> str:
+        """': <the error it failed with>' if the rank sent one before it ended."""
+        if rank not in self._why:
+            reader = self._last_words[rank - 1]
+            try:
+                self._why[rank] = f": {reader.recv()}" if reader.poll() else ""
+            except EOFError:  # it ended without a word (killed, or it exited cleanly)
+                self._why[rank] = ""
+        return self._why[rank]
 
     def _stop_ranks(self) -> None:
         self._finalizer.detach()
