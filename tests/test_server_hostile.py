@@ -425,6 +425,14 @@ def _unicode_and_cost_cases() -> list:
         comp("json-schema-nested-65-levels", ("schema", "64"),
              response_format={"type": "json_schema",
                               "json_schema": {"name": "deep", "schema": _nested_schema(33)}}),
+        chat("json-schema-5001-properties", ("schema", "5001", "5000"),
+             response_format={"type": "json_schema", "json_schema": {"name": "wide", "schema": {
+                 "type": "object", "properties": {f"p{i}": {} for i in range(5001)}}}}),
+        comp("json-schema-enums-10001-values", ("enums", "10001", "10000"),
+             structured_outputs={"json": {"anyOf": [{"enum": list(range(5000))},
+                                                    {"enum": list(range(5001))}]}}),
+        comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
+             guided_choice=[f"c{i}" for i in range(10001)]),
     ]
 
 

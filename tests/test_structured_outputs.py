@@ -140,6 +140,36 @@ def test_structured_outputs_params_are_checked(fields, message):
         StructuredOutputsParams(**fields)
 
 
+def _properties(count: int, nested: bool = False) -> dict:
+    """An object schema with `count` properties in all (half of them one level down)."""
+    if not nested:
+        return {"type": "object", "properties": {f"p{i}": {"type": "string"}
+                                                 for i in range(count)}}
+    inner = _properties(count // 2)
+    return {"type": "object", "properties": {"inner": inner, **{
+        f"q{i}": {"type": "integer"} for i in range(count - count // 2 - 1)}}}
+
+
+def test_schema_size_limits_count_the_whole_schema():
+    # What compiles in seconds is allowed; one more property or enum value is refused.
+    from fulcrum.sampling_params import MAX_ALTERNATIVES, MAX_SCHEMA_PROPERTIES, schema_size
+
+    assert schema_size(_properties(5000, nested=True)) == (5, 5000, 0)
+    assert schema_size({"anyOf": [{"enum": [1, 2]}, {"enum": ["a"]}]}) == (4, 0, 3)
+    StructuredOutputsParams(json=_properties(MAX_SCHEMA_PROPERTIES, nested=True))
+    with pytest.raises(ValueError, match="5001 object properties in all, more than the 5000"):
+        StructuredOutputsParams(json=_properties(MAX_SCHEMA_PROPERTIES + 1, nested=True))
+    enums = {"anyOf": [{"enum": list(range(MAX_ALTERNATIVES // 2))},
+                       {"enum": list(range(MAX_ALTERNATIVES // 2))}]}
+    StructuredOutputsParams(json=enums)
+    enums["anyOf"].append({"enum": [0]})
+    with pytest.raises(ValueError, match="enums have 10001 values in all, more than the 10000"):
+        StructuredOutputsParams(json=json.dumps(enums))
+    StructuredOutputsParams(choice=["a"] * MAX_ALTERNATIVES)
+    with pytest.raises(ValueError, match="choice has 10001 strings, more than the 10000"):
+        StructuredOutputsParams(choice=["a"] * (MAX_ALTERNATIVES + 1))
+
+
 def test_requests_with_one_schema_share_one_compile(llm):
     compiler = llm.llm_engine.grammar_compiler
     params = StructuredOutputsParams(regex=r"\d+x")
