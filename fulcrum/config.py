@@ -6,6 +6,7 @@ Names and meanings follow vLLM's engine arguments so that a vLLM user feels at h
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -117,6 +118,18 @@ class EngineConfig:
             if "float" in field.type and value is not None and (
                     isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"{field.name} must be a number, got {value!r}")
+            if field.type == "int" and not is_int(value):
+                raise ValueError(f"{field.name} must be an integer, got {value!r}")
+            if field.type == "float" and value is None:
+                raise ValueError(f"{field.name} must be a number, got None")
+            if isinstance(value, os.PathLike) and field.name in ("model", "tokenizer"):
+                value = os.fspath(value)
+                setattr(self, field.name, value)
+            if field.type in ("str", "Optional[str]") and value is not None \
+                    and not isinstance(value, str):
+                raise ValueError(f"{field.name} must be a string, got {value!r}")
+            if field.type == "str" and value is None:
+                raise ValueError(f"{field.name} must be a string, got None")
 
     def _check_ranges(self) -> None:
         def positive(name: str) -> None:

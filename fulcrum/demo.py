@@ -22,6 +22,7 @@ import webbrowser
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
+from fulcrum.arg_types import port, positive_int, seconds
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 
@@ -88,15 +89,15 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None,
                         help="local model folder (default: the built-in model)")
-    parser.add_argument("--long-len", type=int, default=3072)
-    parser.add_argument("--num-short", type=int, default=12)
-    parser.add_argument("--short-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--interval", type=float, default=0.2,
+    parser.add_argument("--long-len", type=positive_int, default=3072)
+    parser.add_argument("--num-short", type=positive_int, default=12)
+    parser.add_argument("--short-len", type=positive_int, default=32)
+    parser.add_argument("--output-len", type=positive_int, default=16)
+    parser.add_argument("--interval", type=seconds, default=0.2,
                         help="seconds between short arrivals")
-    parser.add_argument("--chunk-budget", type=int, default=256,
+    parser.add_argument("--chunk-budget", type=positive_int, default=256,
                         help="max_num_batched_tokens in the chunked runs")
-    parser.add_argument("--dashboard", nargs="?", type=int, const=8001, default=None,
+    parser.add_argument("--dashboard", nargs="?", type=port, const=8001, default=None,
                         metavar="PORT", help="serve the live scheduler dashboard on this port "
                                              "(default 8001) while the demo runs, and print "
                                              "its URL")

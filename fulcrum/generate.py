@@ -27,12 +27,16 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
-    if args.chat:
-        output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
-    else:
-        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+        if args.chat:
+            output = llm.chat([{"role": "user", "content": args.prompt}], params,
+                              use_tqdm=False)[0]
+        else:
+            output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()  # tensor-parallel ranks end now, not at the interpreter's exit
     completion = output.outputs[0]
     print(completion.text)
     print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "

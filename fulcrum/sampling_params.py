@@ -173,8 +173,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -191,6 +194,8 @@ class SamplingParams:
                 fail(name, "must be a finite number")
         if not is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind")
         if self.temperature < 0.0:
             fail("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -207,7 +212,7 @@ class SamplingParams:
             fail("repetition_penalty", "must be greater than zero")
         if self.max_tokens is not None and (not is_int(self.max_tokens)
                                             or self.max_tokens < 1):
-            fail("max_tokens", "must be at least 1")
+            fail("max_tokens", "must be an integer >= 1")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -92,8 +92,12 @@ class Tokenizer:
     @staticmethod
     def load_chat_template(value: str) -> str:
         """A chat template given as vLLM's `--chat-template` takes it: a file's path or the
-        template itself; a template that does not compile is refused at once."""
+        template itself (which, as there, must hold a brace or a newline: anything else is a
+        path that does not exist); a template that does not compile is refused at once."""
         path = Path(value)
+        if not path.is_file() and not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat template {value!r} looks like a file's path, but there is no "
+                             "such file (a template itself holds {{, {% or a newline)")
         try:
             template = path.read_text() if path.is_file() else value
         except OSError as error:

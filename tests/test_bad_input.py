@@ -5,6 +5,7 @@ blocks too. Broken model folders fail at load time with a clear error."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -122,6 +123,10 @@ BAD_PARAMS = [
     (dict(stop=["x"] * 65), "stop has 65 strings, more than the 64"),
     (dict(stop=["x" * 1025]), "at most 1024 characters"),
     (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(stop=5), "stop must be a list, got 5"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list, got 7"),
+    (dict(max_tokens=2.0), "max_tokens must be an integer >= 1, got 2.0"),
+    (dict(output_kind=5), "output_kind must be a RequestOutputKind, got 5"),
     (dict(stop_token_ids=list(range(1025))), "stop_token_ids has 1025 ids"),
 ]
 
@@ -162,8 +167,8 @@ BAD_ENGINE_ARGS = [
     (dict(block_size=10**6), "block_size must be at most 128"),
     (dict(max_num_seqs=True), "max_num_seqs must be a positive integer, got True"),
     (dict(seed=2**70), "seed must be an integer in"),
-    (dict(seed=None), "seed must be an integer in"),
-    (dict(seed=1.5), "seed must be an integer in"),
+    (dict(seed=None), "seed must be an integer, got None"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
     (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be True or False"),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
     (dict(long_prefill_token_threshold=1.5),
@@ -176,6 +181,33 @@ BAD_ENGINE_ARGS = [
 def test_bad_engine_args_are_refused_before_anything_loads(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": None}, "block_size must be an integer, got None"),
+    ({"tensor_parallel_size": None}, "tensor_parallel_size must be an integer, got None"),
+    ({"max_n": 2.0}, "max_n must be an integer, got 2.0"),
+    ({"gpu_memory_utilization": None}, "gpu_memory_utilization must be a number, got None"),
+    ({"dtype": None}, "dtype must be a string, got None"),
+    ({"kv_cache_dtype": None}, "kv_cache_dtype must be a string, got None"),
+    ({"tokenizer": 5}, "tokenizer must be a string, got 5"),
+])
+def test_engine_args_of_the_wrong_type_are_named(llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(llama_dir), **kwargs)
+
+
+def test_model_folders_may_be_paths(llama_dir):
+    llm = LLM(llama_dir, tokenizer=llama_dir, max_model_len=MAX_LEN)
+    assert llm.llm_engine.config.model == str(llama_dir)
+
+
+def test_a_kv_cache_larger_than_the_ram_is_refused_before_it_is_allocated(llama_dir):
+    with pytest.raises(ValueError, match=r"a KV cache of 100000000000 blocks would take .* GiB, "
+                                         r"more than the .* GiB of RAM available"):
+        LLM(str(llama_dir), num_gpu_blocks_override=10**11)
+    with pytest.raises(ValueError, match="of RAM available"):
+        LLM(str(llama_dir), kv_cache_memory_bytes=10**15)
 
 
 def test_none_switches_take_their_default_as_in_vllm():
@@ -353,6 +385,11 @@ def test_missing_folder(tmp_path):
         LLM(str(tmp_path / "no-such-model"))
 
 
+def test_a_model_path_that_is_a_file(llama_dir):
+    with pytest.raises(ValueError, match="is a file: fulcrum loads a model's folder"):
+        LLM(str(llama_dir / "config.json"))
+
+
 def test_missing_config(llama_dir, tmp_path):
     folder = copy_model(llama_dir, tmp_path)
     (folder / "config.json").unlink()
@@ -424,7 +461,7 @@ def test_integer_weights_are_refused_not_cast(llama_dir, tmp_path):
 
 @pytest.mark.parametrize("device, message", [
     ("tpu", "fulcrum runs on 'cpu', 'cuda'"), ("meta", "fulcrum runs on 'cpu', 'cuda'"),
-    (7, "fulcrum runs on 'cpu', 'cuda'"),
+    (7, "device must be a string, got 7"),
     ("cuda:99", "no such CUDA device here"),
 ])
 def test_a_device_fulcrum_cannot_run_on_is_refused(llama_dir, device, message):

@@ -97,6 +97,11 @@ def test_cli_smoke(server, tmp_path, capsys):
     assert saved["passed"] and saved["overall"]["sent"] == 12 and "date" in saved
 
 
-def test_cli_without_server_fails_cleanly(capsys):
-    code = main(["bench", "stress", "--base-url", "http://127.0.0.1:9", "--num-clients", "1"])
-    assert code == 2 and "cannot use" in capsys.readouterr().out
+@pytest.mark.parametrize("command", [["stress", "--num-clients", "1"],
+                                     ["serve", "--num-prompts", "1", "--model", "m"],
+                                     ["serve", "--num-prompts", "1"]])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9", "notaurl"])
+def test_cli_without_server_fails_cleanly(capsys, command, url):
+    code = main(["bench", *command, "--base-url", url])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"fulcrum bench: error: cannot use {url}: ")

@@ -15,7 +15,6 @@ import time
 from typing import List
 
 import httpx
-import pytest
 
 from conftest import free_port, running_server
 from fulcrum.async_engine import AsyncLLM
@@ -79,16 +78,6 @@ def test_queue_limit_answers_503_with_retry_after(llama_dir):
         accepted = httpx.post(server.url + "/v1/completions", json={"prompt": "x",
                                                                     "max_tokens": 2})
         assert accepted.status_code == 200
-
-
-@pytest.mark.parametrize("port, message", [("99999", "99999 is not a TCP port (0-65535)"),
-                                           ("-1", "-1 is not a TCP port"),
-                                           ("http", "invalid port value: 'http'")])
-def test_serve_refuses_a_port_that_is_none(port, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["serve", "--port", port])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
-    assert build_parser().parse_args(["serve", "--port", "65535"]).port == 65535
 
 
 # --------------------------------------------------------------------- API keys

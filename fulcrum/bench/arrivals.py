@@ -21,8 +21,9 @@ Schedule = List[Tuple[float, SampleRequest]]  # (seconds after the start, reques
 def arrival_offsets(count: int, rate: float, burstiness: float,
                     rng: np.random.Generator) -> List[float]:
     """Send times in seconds from the start; the first request goes at 0."""
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError(f"rate and burstiness must be positive, got {rate}, {burstiness}")
+    if not rate > 0 or not 0 < burstiness < math.inf:  # NaN fails both
+        raise ValueError(f"the request rate must be positive (inf: all at once) and the "
+                         f"burstiness positive and finite, got {rate}, {burstiness}")
     if math.isinf(rate):
         return [0.0] * count
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)

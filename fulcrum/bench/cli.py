@@ -12,8 +12,9 @@ import importlib.metadata
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Awaitable, Callable, Dict, Tuple
 
+from fulcrum.arg_types import output_dir, output_file, positive_int, url_path
 from fulcrum.bench.arrivals import add_arrival_args, build_schedule
 from fulcrum.bench.datasets import add_dataset_args, build_requests
 from fulcrum.bench.metrics import GOODPUT_KEYS, format_report, parse_goodput, report_by_group
@@ -46,10 +47,10 @@ def _register_serve(commands) -> None:
                     "at its arrival time, and report TTFT, TPOT, ITL, E2E latency, throughput "
                     "and goodput with vLLM's definitions.")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--endpoint", type=url_path, default="/v1/completions")
     parser.add_argument("--model", help="model name for the requests (default: the first "
                                         "that /v1/models lists)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
                         help="most requests in flight; later arrivals wait for a slot")
     parser.add_argument("--goodput", nargs="+", action=GoodputAction, default={},
                         metavar="KEY:MS",
@@ -60,7 +61,8 @@ def _register_serve(commands) -> None:
     parser.add_argument("--slo", nargs="+", action=GoodputAction, dest="goodput",
                         metavar="KEY_ms=MS", help="the same targets in the older spelling "
                                                   "(ttft_ms=1000 tpot_ms=100)")
-    parser.add_argument("--save-result", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--save-result", type=output_file, metavar="FILE",
+                        help="write the report as JSON")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(parser)
     add_arrival_args(parser)
@@ -85,9 +87,10 @@ def _register_throughput(commands) -> None:
     parser.add_argument("--compare-hf", action="store_true",
                         help="also run HF transformers generate in static batches on the same "
                              "prompts and write JSON + markdown to --results-dir")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16)
     parser.add_argument("--results-dir", default=RESULTS_DIR)
-    parser.add_argument("--save-result", metavar="FILE", help="write fulcrum's result as JSON")
+    parser.add_argument("--save-result", type=output_file, metavar="FILE",
+                        help="write fulcrum's result as JSON")
     parser.set_defaults(func=run_throughput)
 
 
@@ -104,7 +107,7 @@ def _register_sweep(commands) -> None:
     parser.add_argument("--grid", action="append", metavar="'FIELD=V1,V2 ...'",
                         help="settings: each --grid is a Cartesian product, several are joined "
                              f"(default: {' | '.join(DEFAULT_GRID)})")
-    parser.add_argument("--output-dir", default=f"{RESULTS_DIR}/sweep")
+    parser.add_argument("--output-dir", type=output_dir, default=f"{RESULTS_DIR}/sweep")
     parser.set_defaults(func=run_sweep, dataset="mixed", num_prompts=32, input_len=64,
                         output_len=32, request_rate=4.0)
 
@@ -170,10 +173,10 @@ def _register_stress(commands) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name for the requests (default: the first "
                                         "that /v1/models lists)")
-    parser.add_argument("--num-clients", type=int, default=1000,
+    parser.add_argument("--num-clients", type=positive_int, default=1000,
                         help="concurrent requests per round (default 1000)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
-    parser.add_argument("--max-tokens", type=int, default=32,
+    parser.add_argument("--rounds", type=positive_int, default=2, help="rounds (default 2)")
+    parser.add_argument("--max-tokens", type=positive_int, default=32,
                         help="tokens each request asks for, with ignore_eos (default 32)")
     parser.add_argument("--disconnect-fraction", type=float, default=0.3,
                         help="share of clients that hang up at a random point (default 0.3)")
@@ -188,7 +191,8 @@ def _register_stress(commands) -> None:
                         help="bound on one round's requests, seconds")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="bound on the wait for an idle server after a round, seconds")
-    parser.add_argument("--save-result", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--save-result", type=output_file, metavar="FILE",
+                        help="write the report as JSON")
     parser.set_defaults(func=run_stress)
 
 
@@ -220,13 +224,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     async def main() -> Tuple[str, list, float]:
         async with make_client() as client:
-            model = args.model or await served_model(client, args.base_url)
+            model = await served_model(client, args.base_url, args.model)
             url = args.base_url.rstrip("/") + args.endpoint
             timelines, duration = await run_load(client, url, model, timed,
                                                  args.max_concurrency, not args.disable_tqdm)
             return model, timelines, duration
 
-    model, timelines, duration = asyncio.run(main())
+    model, timelines, duration = _against_server(args, main)
     reports = report_by_group(timelines, duration, args.goodput)
     print(format_report(reports))
     errors = [t.error for t in timelines if not t.completed]
@@ -241,8 +245,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_stress(args: argparse.Namespace) -> int:
-    import httpx
-
     from fulcrum.bench.stress import StressConfig, format_table
     from fulcrum.bench.stress import run_stress as stress
 
@@ -252,17 +254,23 @@ def run_stress(args: argparse.Namespace) -> int:
         disconnect_fraction=args.disconnect_fraction, stall_fraction=args.stall_fraction,
         stall_seconds=args.stall_seconds, seed=args.seed, read_timeout=args.read_timeout,
         round_timeout=args.round_timeout, drain_timeout=args.drain_timeout)
-    try:
-        report = asyncio.run(stress(config))
-    except httpx.HTTPError as error:  # no server there, or /metrics or /v1/models failed
-        print(f"fulcrum bench stress: cannot use {args.base_url}: {type(error).__name__}: "
-              f"{error}")
-        return 2
+    report = _against_server(args, lambda: stress(config))
     print(format_table(report))
     if args.save_result:
         _write_json(args.save_result, {
             "date": datetime.datetime.now().isoformat(timespec="seconds"), **report})
     return 0 if report["passed"] else 1
+
+
+def _against_server(args: argparse.Namespace, run: Callable[[], Awaitable[Any]]) -> Any:
+    """`run()`'s result; a server that cannot be reached or used (no server there, a bad
+    URL, /v1/models failing) is a ValueError: the one-line error of the command line."""
+    import httpx
+
+    try:
+        return asyncio.run(run())
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        raise ValueError(f"cannot use {args.base_url}: {type(error).__name__}: {error}") from None
 
 
 def _run_args(args: argparse.Namespace) -> Dict[str, Any]:

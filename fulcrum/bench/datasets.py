@@ -16,6 +16,8 @@ from typing import Callable, List, Optional, Union
 
 import numpy as np
 
+from fulcrum.arg_types import non_negative_int, positive_int
+
 RANDOM_ID_LIMIT = 256
 CHAT_MAX_LEN = 4096  # --dataset chat's context when the command sets no --max-model-len
 SHORT, LONG = "short", "long"
@@ -108,17 +110,19 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset", choices=["random", "mixed", "chat", "jsonl"], default="random")
     group.add_argument("--dataset-path", help="the JSONL file of --dataset jsonl")
-    group.add_argument("--num-prompts", type=int, default=64,
+    group.add_argument("--num-prompts", type=positive_int, default=64,
                        help="requests (the short ones for --dataset mixed)")
-    group.add_argument("--input-len", type=int, default=256,
+    group.add_argument("--input-len", type=positive_int, default=256,
                        help="prompt tokens (the short ones for --dataset mixed; the median "
                             "for --dataset chat)")
-    group.add_argument("--output-len", type=int, default=128,
+    group.add_argument("--output-len", type=positive_int, default=128,
                        help="tokens generated per request (the median for --dataset chat)")
     group.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths drawn uniformly within +-ratio of the given ones")
-    group.add_argument("--long-num-prompts", type=int, default=2, help="mixed: long requests")
-    group.add_argument("--long-input-len", type=int, default=2048, help="mixed: long prompt tokens")
+    group.add_argument("--long-num-prompts", type=non_negative_int, default=2,
+                       help="mixed: long requests")
+    group.add_argument("--long-input-len", type=positive_int, default=2048,
+                       help="mixed: long prompt tokens")
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from fulcrum.arg_types import output_dir, positive_int
 from fulcrum.bench.arrivals import schedule
 from fulcrum.bench.datasets import RANDOM_ID_LIMIT, SampleRequest, chat_requests
 from fulcrum.bench.metrics import ALL, report_by_group
@@ -252,17 +253,17 @@ def add_goodput_args(parser: argparse.ArgumentParser) -> None:
     names = ",".join(engines({"ttft": 0, "tpot": 0}))
     parser.add_argument("--engines", default=names, help=f"comma-separated, from {names}")
     parser.add_argument("--rates", default="0.5,1,1.5,2", help="request rates to offer (req/s)")
-    parser.add_argument("--num-prompts", type=int, default=30, help="requests per rate")
-    parser.add_argument("--input-len", type=int, default=128, help="median prompt tokens")
-    parser.add_argument("--output-len", type=int, default=48, help="median output tokens")
+    parser.add_argument("--num-prompts", type=positive_int, default=30, help="requests per rate")
+    parser.add_argument("--input-len", type=positive_int, default=128, help="median prompt tokens")
+    parser.add_argument("--output-len", type=positive_int, default=48, help="median output tokens")
     parser.add_argument("--burstiness", type=float, default=0.5,
                         help="gamma shape of the gaps (1 Poisson, < 1 burstier)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT target")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=4096,
+    parser.add_argument("--max-model-len", type=positive_int, default=4096,
                         help="every server's context; prompts reach half of it")
     parser.add_argument("--model", default=None,
                         help=f"a model folder with real weights (default: the {DEFAULT_SHAPE} "
                              "shape with dummy weights)")
-    parser.add_argument("--output-dir", default="benchmarks/results/goodput")
+    parser.add_argument("--output-dir", type=output_dir, default="benchmarks/results/goodput")

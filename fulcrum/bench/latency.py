@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from fulcrum import kernels
+from fulcrum.arg_types import output_dir, positive_int
 from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
@@ -54,12 +55,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantizations", nargs="+", choices=["none", "int8"],
                         default=["none", "int8"],
                         help="the weight formats to run side by side (default both)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--num-iters", type=int, default=3,
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=64)
+    parser.add_argument("--num-iters", type=positive_int, default=3,
                         help="runs per batch size (vLLM's flag); steps of all runs pooled")
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--output-dir", type=output_dir, default=DEFAULT_OUTPUT_DIR)
 
 
 # ----------------------------------------------------------------- machine limits

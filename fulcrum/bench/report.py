@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from fulcrum.arg_types import output_file, positive_int
 from fulcrum.bench.arrivals import Schedule, schedule
 from fulcrum.bench.datasets import LONG, SHORT, random_requests
 from fulcrum.bench.metrics import ALL, report_by_group
@@ -643,9 +644,10 @@ def _setup(args: argparse.Namespace, scale: Scale, model_dir: str, dummy: bool,
 
 
 def add_report_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="docs/performance.md",
+    parser.add_argument("--out", type=output_file, default="docs/performance.md",
                         help="the markdown page; raw runs go beside it as .json")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median shown)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs per cell (median shown)")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated, from {', '.join(ENGINES)}")
     parser.add_argument("--model", default=None,

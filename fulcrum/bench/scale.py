@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from fulcrum.arg_types import positive_int
 from fulcrum.bench.arrivals import Schedule, schedule
 from fulcrum.bench.datasets import SampleRequest, random_requests
 from fulcrum.bench.metrics import ALL, report_by_group
@@ -40,7 +41,7 @@ PREFIXES, PER_PREFIX, PREFIX_LEN, ENDING_LEN, CONCURRENCY = 8, 8, 768, 32, 8
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=positive_int, default=2,
                         help="runs of each server, alternating (default 2)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny workloads (for tests: checks the plumbing, not the machine)")

@@ -96,14 +96,16 @@ async def run_load(client: httpx.AsyncClient, url: str, model: str, timed: Sched
     return list(timelines), time.perf_counter() - start
 
 
-async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
-    """The first model `/v1/models` lists: the name to put in requests when none is given."""
+async def served_model(client: httpx.AsyncClient, base_url: str,
+                       wanted: Optional[str] = None) -> str:
+    """`wanted`, or else the first model `/v1/models` lists: the name to put in requests.
+    Asked either way, so that a server that is not there fails the run before it starts."""
     reply = await client.get(base_url.rstrip("/") + "/v1/models")
     reply.raise_for_status()
     models = reply.json().get("data") or []
-    if not models:
+    if wanted is None and not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
-    return models[0]["id"]
+    return wanted or models[0]["id"]
 
 
 # No connection cap: the schedule and --max-concurrency set the load. No connection is kept

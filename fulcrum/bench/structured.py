@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 import torch
 
+from fulcrum.arg_types import output_dir, positive_int
 from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine
@@ -40,12 +41,13 @@ VARIANTS = ("none", "json_schema")
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=DEFAULT_SHAPE, choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--num-requests", type=positive_int, default=64)
+    parser.add_argument("--input-len", type=positive_int, default=64)
+    parser.add_argument("--output-len", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of each variant, alternating (default 3)")
-    parser.add_argument("--output-dir", default="benchmarks/results/structured_outputs")
+    parser.add_argument("--output-dir", type=output_dir,
+                        default="benchmarks/results/structured_outputs")
 
 
 def _params(variant: str, output_len: int, seed: int) -> SamplingParams:

@@ -40,6 +40,8 @@ def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
     except BaseException as error:
         with contextlib.suppress(OSError):  # the driver may be gone
             last_words.send(f"{type(error).__name__}: {error}".splitlines()[0][:MAX_LAST_WORDS])
+        if isinstance(error, ConnectionError):  # the group broke elsewhere: no traceback
+            raise SystemExit(1) from None
         raise
 
 

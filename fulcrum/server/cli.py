@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, Dict, List, Optional
 
+from fulcrum.arg_types import non_empty, non_negative_int, port, positive_int, seconds, string_list
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "FULCRUM_API_KEY"
@@ -33,13 +33,13 @@ def register(subparsers) -> None:
                              "0.0.0.0 accepts remote clients)")
     server.add_argument("--port", type=port, default=8000,
                         help="port (default 8000)")
-    server.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    server.add_argument("--api-key", action="append", type=non_empty, default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for "
                              "several keys (default: $FULCRUM_API_KEY, comma-separated)")
-    server.add_argument("--max-request-body-bytes", type=int,
+    server.add_argument("--max-request-body-bytes", type=positive_int,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 (default 16 MiB)")
-    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    server.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, seconds requests in flight get to finish "
                              "before they are aborted (default 30)")
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -62,15 +62,15 @@ def register(subparsers) -> None:
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients send; responses carry the first "
                              "(default: the model argument)")
-    server.add_argument("--max-log-len", type=int, default=None,
+    server.add_argument("--max-log-len", type=non_negative_int, default=None,
                         help="with --enable-log-requests: most prompt characters and token "
                              "ids logged per request (default: all)")
-    server.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
+    server.add_argument("--allowed-origins", type=string_list, default=None, metavar="JSON",
                         help='CORS: allowed origins as a JSON list, e.g. \'["*"]\' (default: '
                              "no CORS headers)")
-    server.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+    server.add_argument("--allowed-methods", type=string_list, default=["*"], metavar="JSON",
                         help="CORS: allowed methods as a JSON list (default [\"*\"])")
-    server.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+    server.add_argument("--allowed-headers", type=string_list, default=["*"], metavar="JSON",
                         help="CORS: allowed headers as a JSON list (default [\"*\"])")
     server.add_argument("--allow-credentials", action="store_true",
                         help="CORS: allow credentials")
@@ -111,24 +111,31 @@ def cors_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 def api_keys(args: argparse.Namespace) -> List[str]:
     if args.api_key:
         return list(args.api_key)
-    return [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    listed = os.environ.get(API_KEY_ENV, "")
+    keys = [k.strip() for k in listed.split(",") if k.strip()]
+    if listed.strip() and not keys:  # set to something, yet no key: not "no auth"
+        raise ValueError(f"${API_KEY_ENV} is set but holds no key: {listed!r}")
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
+    from fulcrum.tokenizer import Tokenizer
+
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    # The server's own options are checked before any model loads (in any replica).
+    keys = api_keys(args)
+    template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.data_parallel_size > 1:
         return run_router(args)
     from fulcrum.async_engine import AsyncLLM
     from fulcrum.server.api_server import build_app, serve
-    from fulcrum.tokenizer import Tokenizer
 
-    template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
-    app = build_app(async_llm, served_model_names(args), api_keys(args),
+    app = build_app(async_llm, served_model_names(args), keys,
                     args.max_request_body_bytes, args.trust_request_chat_template,
                     args.enable_log_requests, template, parser, args.max_log_len,
                     cors_options(args),
@@ -153,11 +160,3 @@ def run_router(args: argparse.Namespace) -> int:
         return 0
     finally:
         replicas.stop()
-
-
-def port(text: str) -> int:
-    """A TCP port number (argparse names the function in its error for a non-number)."""
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
-    return value

@@ -78,6 +78,8 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
         if config.kv_cache_memory_bytes is None:
             most_ever_used = config.max_num_seqs * -(-config.max_model_len // config.block_size)
             num_blocks = min(num_blocks, most_ever_used + 1)
+    if device.type == "cpu":
+        _check_fits_in_ram(num_blocks, num_blocks * bytes_per_block(spec, config.block_size, dtype))
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     usable = num_blocks - 1
@@ -92,6 +94,16 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
                 num_blocks * bytes_per_block(spec, config.block_size, dtype) / 2**20,
                 config.max_model_len, usable * config.block_size / config.max_model_len)
     return num_blocks
+
+
+def _check_fits_in_ram(num_blocks: int, nbytes: int) -> None:
+    """The cache is zeroed (committed) at once: one larger than the RAM available would get
+    the process killed, or fail deep in an allocation."""
+    available = available_cpu_memory()
+    if nbytes > available:
+        raise ValueError(f"a KV cache of {num_blocks} blocks would take {nbytes / 2**30:.1f} GiB, "
+                         f"more than the {available / 2**30:.1f} GiB of RAM available: lower "
+                         "kv_cache_memory_bytes or num_gpu_blocks_override")
 
 
 def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,

@@ -28,6 +28,9 @@ _DTYPES = {
 
 def load_hf_config(model_dir: str) -> Dict[str, Any]:
     folder = Path(model_dir)
+    if folder.is_file():
+        raise ValueError(f"model {model_dir!r} is a file: fulcrum loads a model's folder (its "
+                         "config.json, tokenizer and weights)")
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {model_dir!r} does not exist (fulcrum loads models "
                                 "from a local folder; nothing is downloaded)")

@@ -1,0 +1,94 @@
+"""The commands' arguments are checked as they are parsed: a bad value is a usage error that
+names its flag (exit 2), before any model loads or any run starts; what argparse cannot see
+(the environment, files) fails with one line, not a traceback."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fulcrum.cli import build_parser, main
+
+
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "99999"], "argument --port: 99999 is not a TCP port (0-65535)"),
+    (["serve", "--port", "-1"], "-1 is not a TCP port"),
+    (["serve", "--port", "http"], "invalid port value: 'http'"),
+    # A JSON string would be matched as a sequence of characters: a substring CORS check.
+    (["serve", "--allowed-origins", '"https://good.example.com"'],
+     "argument --allowed-origins: must be a JSON list of strings"),
+    (["serve", "--allowed-origins", '{"a": 1}'], "--allowed-origins: must be a JSON list"),
+    (["serve", "--allowed-methods", "5"], "--allowed-methods: must be a JSON list of strings"),
+    (["serve", "--allowed-headers", "null"], "--allowed-headers: must be a JSON list"),
+    (["serve", "--allowed-headers", "[1]"], "--allowed-headers: must be a JSON list"),
+    (["serve", "--max-request-body-bytes", "0"], "must be a positive integer, got 0"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout: must be a finite number"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout: must be a finite number"),
+    (["serve", "--max-log-len", "-1"], "--max-log-len: must be 0 or more, got -1"),
+    (["serve", "--api-key", ""], "argument --api-key: must not be empty"),
+    (["demo", "--interval", "nan"], "--interval: must be a finite number of seconds"),
+    (["demo", "--interval", "inf"], "--interval: must be a finite number of seconds"),
+    (["demo", "--num-short", "0"], "--num-short: must be a positive integer, got 0"),
+    (["demo", "--dashboard", "99999"], "--dashboard: 99999 is not a TCP port"),
+    (["bench", "throughput", "--num-prompts", "-1"], "--num-prompts: must be a positive"),
+    (["bench", "throughput", "--input-len", "0"], "--input-len: must be a positive"),
+    (["bench", "serve", "--max-concurrency", "0"], "--max-concurrency: must be a positive"),
+    (["bench", "serve", "--endpoint", "nope"], "--endpoint: must be a path that starts"),
+    (["bench", "latency", "--batch-sizes", "4", "0"], "--batch-sizes: must be a positive"),
+    (["bench", "scale", "--repeats", "0"], "--repeats: must be a positive integer"),
+    (["bench", "throughput", "--save-result", "/"], "--save-result: / is a directory"),
+])
+def test_a_bad_value_is_a_usage_error_naming_its_flag(argv, message, capsys):
+    assert message in _usage_error(argv, capsys)
+
+
+def test_good_values_parse(tmp_path):
+    args = build_parser().parse_args([
+        "serve", "--port", "0", "--allowed-origins", '["https://a.example"]',
+        "--shutdown-timeout", "0", "--max-log-len", "0", "--api-key", "k"])
+    assert (args.port, args.allowed_origins, args.shutdown_timeout, args.max_log_len,
+            args.api_key) == (0, ["https://a.example"], 0.0, 0, ["k"])
+    out = tmp_path / "new" / "result.json"  # a folder that does not exist yet is fine
+    assert build_parser().parse_args(["bench", "throughput", "--save-result",
+                                      str(out)]).save_result == str(out)
+
+
+def test_an_api_key_variable_with_no_key_is_refused(monkeypatch, capsys):
+    # "," would otherwise read as no keys at all: authentication off.
+    monkeypatch.setenv("FULCRUM_API_KEY", " , ")
+    assert main(["serve", "--no-web-ui"]) == 2
+    assert "$FULCRUM_API_KEY is set but holds no key" in capsys.readouterr().err
+
+
+def test_server_options_are_checked_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import fulcrum.async_engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(fulcrum.async_engine.AsyncLLM, "from_engine_args", no_loading)
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    # As in vLLM: a value without braces or newlines is a path, and this one does not exist.
+    missing = str(tmp_path / "template.jinja")
+    assert main(["serve", "--chat-template", missing]) == 2
+    assert "looks like a file's path, but there is no such file" in capsys.readouterr().err
+
+
+def test_the_arrival_rate_and_burstiness_must_be_numbers():
+    from fulcrum.bench.arrivals import arrival_offsets
+
+    rng = np.random.default_rng(0)
+    assert arrival_offsets(3, math.inf, 1.0, rng) == [0.0, 0.0, 0.0]
+    for rate, burstiness in [(math.nan, 1.0), (1.0, math.nan), (1.0, math.inf), (0.0, 1.0)]:
+        with pytest.raises(ValueError, match="must be positive"):
+            arrival_offsets(3, rate, burstiness, rng)
