@@ -49,6 +49,9 @@ STATS_HISTORY = 100_000
 FINISHED_HISTORY = 10_000
 # Normalizers may change a text's length a little before it is split into tokens.
 TEXT_SLACK = 2
+# The keys of vLLM's TextPrompt / TokensPrompt dicts that fulcrum reads (others, such as
+# multi_modal_data, are refused rather than dropped).
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 # A step with nothing to run while grammars compile waits this long for one to finish.
 GRAMMAR_WAIT_S = 0.05
 
@@ -231,6 +234,12 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple:
         """(text or None, token ids) for a string, a token-id list or vLLM's prompt dicts."""
         if isinstance(prompt, dict):
+            unread = [key for key, value in prompt.items()
+                      if key not in PROMPT_DICT_KEYS and value is not None]
+            if unread:
+                raise ValueError(f"a prompt dict has keys fulcrum does not read: {unread} (it "
+                                 f"reads {', '.join(PROMPT_DICT_KEYS)}; multimodal inputs are "
+                                 "not supported)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -79,6 +79,17 @@ def test_bad_prompt_raises_and_queues_nothing(llm, name):
     assert_all_blocks_free(engine)
 
 
+def test_prompt_dict_keys_fulcrum_does_not_read_are_refused(llm):
+    for prompt in ({"prompt": "hi", "multi_modal_data": {"image": "x.png"}},
+                   {"prompt_token_ids": [5], "token_type_ids": [0]}):
+        with pytest.raises(ValueError, match="a prompt dict has keys fulcrum does not read"):
+            llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate({"prompt": "hi", "multi_modal_data": None, "cache_salt": "s"},
+                       SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
+
+
 def test_prompt_plus_max_tokens_must_fit_max_model_len(llm):
     (output,) = llm.generate(ids(*[7] * (MAX_LEN - 3)), SamplingParams(max_tokens=3,
                                                                        ignore_eos=True),

@@ -70,6 +70,8 @@ def test_an_api_key_variable_with_no_key_is_refused(monkeypatch, capsys):
 
 
 def test_server_options_are_checked_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import socket
+
     import fulcrum.async_engine
 
     def no_loading(*args, **kwargs):
@@ -82,6 +84,15 @@ def test_server_options_are_checked_before_the_model_loads(monkeypatch, capsys, 
     missing = str(tmp_path / "template.jinja")
     assert main(["serve", "--chat-template", missing]) == 2
     assert "looks like a file's path, but there is no such file" in capsys.readouterr().err
+    # The socket is bound first (as in vLLM): a port in use or a bad host fails at once.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--port", port]) == 2
+        assert f"cannot listen on 127.0.0.1:{port} (--host, --port)" in capsys.readouterr().err
+    assert main(["serve", "--host", "nohost.invalid"]) == 2
+    assert "cannot listen on nohost.invalid:8000" in capsys.readouterr().err
 
 
 def test_the_arrival_rate_and_burstiness_must_be_numbers():
@@ -92,3 +103,17 @@ def test_the_arrival_rate_and_burstiness_must_be_numbers():
     for rate, burstiness in [(math.nan, 1.0), (1.0, math.nan), (1.0, math.inf), (0.0, 1.0)]:
         with pytest.raises(ValueError, match="must be positive"):
             arrival_offsets(3, rate, burstiness, rng)
+
+
+def test_request_logs_show_whatever_the_log_level(monkeypatch):
+    import logging
+
+    from fulcrum.server.cli import show_request_log
+
+    logger = logging.getLogger("fulcrum.server.serving")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    show_request_log(build_parser().parse_args(["serve"]))
+    assert logger.level == logging.NOTSET
+    show_request_log(build_parser().parse_args(["--log-level", "ERROR", "serve",
+                                                "--enable-log-requests"]))
+    assert logger.isEnabledFor(logging.INFO)

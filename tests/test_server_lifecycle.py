@@ -19,7 +19,7 @@ import httpx
 from conftest import free_port, running_server
 from fulcrum.async_engine import AsyncLLM
 from fulcrum.server import build_app
-from fulcrum.server.api_server import serve
+from fulcrum.server.api_server import listening_socket, serve
 from fulcrum.server.cli import api_keys
 from fulcrum.cli import build_parser
 
@@ -155,7 +155,8 @@ def test_engine_death_fails_clients_and_serve_returns_one(llama_dir):
     port = free_port()
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault(
-        "code", serve(app, "127.0.0.1", port, log_level="warning")), daemon=True)
+        "code", serve(app, listening_socket("127.0.0.1", port), log_level="warning")),
+        daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
 

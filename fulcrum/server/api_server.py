@@ -228,9 +228,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        self._socket = listening_socket(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
@@ -310,11 +308,31 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: FastAPI, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-          log_level: str = "info") -> int:
-    """Serve until a signal (exit status 0) or the engine's death (1)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (IPv4 or IPv6, as the host resolves), for uvicorn to
+    listen on. `fulcrum serve` binds it before the model loads, so a bad --host or a port in
+    use fails at once, as in vLLM."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {error}") from None
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "info") -> int:
+    """Serve on `sock` (see listening_socket) until a signal (exit status 0) or the engine's
+    death (1)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    host, port = sock.getsockname()[:2]
+    # uvicorn names its address only when it binds the socket itself.
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+        f"[{host}]" if ":" in host else host, port)
     server = GracefulServer(config, app, shutdown_timeout)
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code

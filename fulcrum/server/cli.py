@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Dict, List, Optional
 
@@ -108,6 +109,12 @@ def cors_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
+def show_request_log(args: argparse.Namespace) -> None:
+    """--enable-log-requests logs at INFO, as vLLM does, whatever --log-level hides."""
+    if args.enable_log_requests:
+        logging.getLogger("fulcrum.server.serving").setLevel(logging.INFO)
+
+
 def api_keys(args: argparse.Namespace) -> List[str]:
     if args.api_key:
         return list(args.api_key)
@@ -128,11 +135,13 @@ def run(args: argparse.Namespace) -> int:
     template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    show_request_log(args)
     if args.data_parallel_size > 1:
         return run_router(args)
     from fulcrum.async_engine import AsyncLLM
-    from fulcrum.server.api_server import build_app, serve
+    from fulcrum.server.api_server import build_app, listening_socket, serve
 
+    sock = listening_socket(args.host, args.port)
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
     app = build_app(async_llm, served_model_names(args), keys,
@@ -141,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                     cors_options(args),
                     None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui)
     try:
-        return serve(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         async_llm.shutdown()
 
