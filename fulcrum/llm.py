@@ -176,7 +176,13 @@ def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
     form) joined one part a line, as the server and vLLM join them."""
     if not isinstance(message, dict):
         raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
+    if not isinstance(message.get("role"), str) or not message["role"]:
+        raise ValueError(f"a chat message needs a role (system, user, assistant, tool), "
+                         f"got {message.get('role')!r}")
     content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ValueError(f"a chat message's content must be text or a list of text parts, "
+                         f"got {type(content).__name__}")
     if not isinstance(content, list):
         return message
     texts = []

@@ -286,3 +286,16 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
         llm.chat(image, greedy(2), use_tqdm=False)
     with pytest.raises(ValueError, match="a conversation needs at least one message"):
         llm.chat([[]], greedy(2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"content": "hi"}, "a chat message needs a role"),
+    ({"role": "", "content": "hi"}, "a chat message needs a role"),
+    ({"role": "user", "content": 5}, "content must be text or a list of text parts, got int"),
+])
+def test_chat_refuses_messages_the_template_cannot_render(llm, message, error):
+    with pytest.raises(ValueError, match=error):
+        llm.chat([message], greedy(2), use_tqdm=False)
+    (output,) = llm.chat([{"role": "assistant", "content": None},
+                          {"role": "user", "content": "hi"}], greedy(1), use_tqdm=False)
+    assert output.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
