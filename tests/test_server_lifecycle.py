@@ -181,3 +181,28 @@ def test_engine_death_fails_clients_and_serve_returns_one(llama_dir):
         assert not async_llm.is_healthy
     finally:
         async_llm.shutdown()
+
+
+STOPPED_BY_SIGTERM = """
+import os, signal, threading
+import uvicorn
+from fastapi import FastAPI
+from fulcrum.server.api_server import StoppableServer, listening_socket, run_on
+server = StoppableServer(uvicorn.Config(FastAPI(), log_level="warning"))
+def stop_when_started():
+    while not server.started:
+        threading.Event().wait(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=stop_when_started, daemon=True).start()
+run_on(server, listening_socket("127.0.0.1", 0))
+print("RETURNED")
+"""
+
+
+def test_a_server_stopped_by_sigterm_exits_zero():
+    # uvicorn re-raises the signal after its shutdown (status 143, as if killed): the data-
+    # parallel router, which runs such a server, must exit 0 as the single server does.
+    done = subprocess.run([sys.executable, "-c", STOPPED_BY_SIGTERM], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RETURNED" in done.stdout

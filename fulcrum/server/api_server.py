@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -328,11 +329,26 @@ def serve(app: FastAPI, sock: socket.socket,
     """Serve on `sock` (see listening_socket) until a signal (exit status 0) or the engine's
     death (1)."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    server = GracefulServer(config, app, shutdown_timeout)
+    run_on(server, sock)
+    return server.exit_code
+
+
+def run_on(server: uvicorn.Server, sock: socket.socket) -> None:
     host, port = sock.getsockname()[:2]
     # uvicorn names its address only when it binds the socket itself.
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
         f"[{host}]" if ":" in host else host, port)
-    server = GracefulServer(config, app, shutdown_timeout)
     server.run(sockets=[sock])
-    return server.exit_code
+
+
+class StoppableServer(uvicorn.Server):
+    """uvicorn, but stopped by SIGTERM or SIGINT its process exits 0: uvicorn itself raises
+    the signal again once it has shut down, so the process ended with status 143 (130), as
+    if killed. A second SIGINT forces the exit, as in uvicorn."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True

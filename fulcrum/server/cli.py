@@ -158,14 +158,16 @@ def run(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from fulcrum.server.api_server import StoppableServer, listening_socket, run_on
     from fulcrum.server.replicas import start_replicas
     from fulcrum.server.router import build_router_app
 
+    sock = listening_socket(args.host, args.port)
     replicas = start_replicas(args, args.data_parallel_size, args.data_parallel_backend)
     try:
         app = build_router_app(replicas.replicas, args.router_policy,
                                args.max_request_body_bytes, cors_options(args))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        run_on(StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level)), sock)
         return 0
     finally:
         replicas.stop()
