@@ -496,8 +496,12 @@ def test_the_shortest_context_holds_one_prompt_token_and_one_generated(llama_dir
 
 
 def test_kv_cache_too_small_for_one_request(llama_dir):
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"holds 48 tokens \(3 blocks of 16\), fewer than "
+                                         r"max_model_len=64.*\(num_gpu_blocks_override=4, the "
+                                         r"null block included\)"):
         LLM(str(llama_dir), max_model_len=64, block_size=16, num_gpu_blocks_override=4)
+    with pytest.raises(ValueError, match=r"\(kv_cache_memory_bytes / gpu_memory_utilization\)"):
+        LLM(str(llama_dir), max_model_len=64, block_size=16, kv_cache_memory_bytes=1024)
 
 
 def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(llm):

@@ -84,11 +84,14 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
         num_blocks = group.min_int(num_blocks)
     usable = num_blocks - 1
     if usable * config.block_size < config.max_model_len:
+        knob = (f"num_gpu_blocks_override={num_blocks}, the null block included"
+                if config.num_gpu_blocks_override is not None
+                else "kv_cache_memory_bytes / gpu_memory_utilization")
         raise ValueError(
             f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
             f"({max(usable, 0)} blocks of {config.block_size}), fewer than max_model_len="
             f"{config.max_model_len}: one full-length request could never fit. Give the cache "
-            "more memory (kv_cache_memory_bytes / gpu_memory_utilization) or lower max_model_len.")
+            f"more blocks ({knob}) or lower max_model_len.")
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency at %d tokens per "
                 "request: %.1fx", usable, config.block_size,
                 num_blocks * bytes_per_block(spec, config.block_size, dtype) / 2**20,
