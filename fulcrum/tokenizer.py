@@ -73,7 +73,16 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # tokenizers': "TextInputSequence must be str"
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ValueError(f"the text holds a lone UTF-16 surrogate at character "
+                                     f"{error.start}: it is not valid Unicode") from None
+            raise
 
     def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -79,6 +79,17 @@ def test_bad_prompt_raises_and_queues_nothing(llm, name):
     assert_all_blocks_free(engine)
 
 
+def test_text_with_a_lone_surrogate_is_refused_by_name(llm):
+    # Python strings may hold one ("\ud800" without its pair); no Unicode text does.
+    for prompt, params in (("a\ud800b", SamplingParams(max_tokens=1)),
+                           ("ab", SamplingParams(max_tokens=1, bad_words=["x\udc00"]))):
+        with pytest.raises(ValueError, match="lone UTF-16 surrogate at character 1"):
+            llm.generate(prompt, params, use_tqdm=False)
+    blocks = llm.llm_engine.block_manager
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert blocks.num_free_blocks == blocks.num_blocks - 1
+
+
 def test_prompt_dict_keys_fulcrum_does_not_read_are_refused(llm):
     for prompt in ({"prompt": "hi", "multi_modal_data": {"image": "x.png"}},
                    {"prompt_token_ids": [5], "token_type_ids": [0]}):
