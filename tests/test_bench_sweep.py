@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from fulcrum.bench.cli import register
@@ -44,6 +45,21 @@ def test_sweep_writes_png_and_table(llama_dir, tmp_path, capsys):
     assert all(p["latency_group"] == "short" for p in points)
     assert points[2]["config"]["batching_mode"] == "static"
     assert "TTFT p99" in capsys.readouterr().out
+
+
+def test_a_bad_grid_point_fails_before_any_point_runs(llama_dir, tmp_path, monkeypatch):
+    import fulcrum.bench.sweep as sweep
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a point ran")
+
+    monkeypatch.setattr(sweep, "run_point", must_not_run)
+    argv = ["bench", "sweep", str(llama_dir), "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "4", "--output-dir", str(tmp_path / "sweep"), *SMALL_KV]
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        _run_cli([*argv, "--grid", "block_size=16,0"])
+    with pytest.raises(ValueError, match="bad grid item 'model=/x'"):
+        _run_cli([*argv, "--grid", "model=/x"])
 
 
 def test_throughput_command(llama_dir, tmp_path, capsys):

@@ -339,12 +339,14 @@ def _compare_hf(args: argparse.Namespace, model_dir: str, name: str, kwargs: Dic
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from fulcrum.bench.sweep import DEFAULT_GRID, mark_fronts, parse_grid, run_point, table, \
-        write_outputs
+    from fulcrum.bench.sweep import DEFAULT_GRID, config_for, longest_request, mark_fronts, \
+        parse_grid, run_point, table, write_outputs
 
     model_dir, name, kwargs = _model(args)
     timed = build_schedule(build_requests(args, _token_counter(model_dir)), args)
     settings = parse_grid(args.grid or DEFAULT_GRID)
+    for setting in settings:  # a bad value fails now, not after the points before it ran
+        config_for(model_dir, kwargs, setting, longest_request(timed))
     results = []
     for number, setting in enumerate(settings, 1):
         result = run_point(model_dir, kwargs, setting, timed)

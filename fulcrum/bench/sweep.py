@@ -51,9 +51,9 @@ def parse_grid(specs: Sequence[str]) -> List[Dict[str, Any]]:
         for item in spec.split():
             key, _, values = item.partition("=")
             key = key.replace("-", "_")
-            if key not in fields or not values:
+            if key not in fields or key == "model" or not values:
                 raise ValueError(f"bad grid item {item!r}: expected FIELD=V1,V2 with an "
-                                 "EngineConfig field")
+                                 "EngineConfig field other than model")
             axes[key] = [_parse_value(v) for v in values.split(",")]
         for combo in itertools.product(*axes.values()):
             setting = dict(zip(axes, combo))
@@ -66,11 +66,12 @@ def label(setting: Dict[str, Any]) -> str:
     return " ".join(f"{KNOBS.get(k, k)}={v}" for k, v in setting.items()) or "defaults"
 
 
-def engine_for(model_dir: str, engine_kwargs: Dict[str, Any], setting: Dict[str, Any],
-               max_model_len: int) -> LLMEngine:
+def config_for(model_dir: str, engine_kwargs: Dict[str, Any], setting: Dict[str, Any],
+               max_model_len: int) -> EngineConfig:
     """max_model_len defaults to the scenario's longest request. Without chunking a whole
     prompt must fit one step, so the budget is raised to max_model_len there; the table shows
-    the budget actually used."""
+    the budget actually used. Every point's config is built before the first runs, so a bad
+    value fails the sweep at once."""
     kwargs = {**engine_kwargs, **setting}
     kwargs["max_model_len"] = kwargs.get("max_model_len") or max_model_len
     config = EngineConfig(model=model_dir, **kwargs)
@@ -78,7 +79,11 @@ def engine_for(model_dir: str, engine_kwargs: Dict[str, Any], setting: Dict[str,
     budget = config.max_num_batched_tokens
     if not chunked and budget is not None and budget < config.max_model_len:
         config = dataclasses.replace(config, max_num_batched_tokens=config.max_model_len)
-    return LLMEngine(config)
+    return config
+
+
+def longest_request(timed: Schedule) -> int:
+    return max(r.prompt_len + r.output_len for _, r in timed)
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -90,8 +95,7 @@ def warm_up(engine: LLMEngine) -> None:
 
 def run_point(model_dir: str, engine_kwargs: Dict[str, Any], setting: Dict[str, Any],
               timed: Schedule) -> Dict[str, Any]:
-    max_model_len = max(r.prompt_len + r.output_len for _, r in timed)
-    engine = engine_for(model_dir, engine_kwargs, setting, max_model_len)
+    engine = LLMEngine(config_for(model_dir, engine_kwargs, setting, longest_request(timed)))
     warm_up(engine)
     timelines, duration = replay(engine, timed)
     reports = report_by_group(timelines, duration)
