@@ -41,6 +41,27 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
+def rate_list(text: str) -> str:
+    """Comma-separated request rates, each a positive number (inf: all at once); kept as
+    written, since reports quote the command."""
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"must be positive request rates separated by "
+                                             f"commas, got {item!r} in {text!r}")
+    return text
+
+
 def string_list(text: str) -> List[str]:
     """A JSON list of strings, e.g. '["*"]' (a bare JSON string would be matched as a
     sequence of characters by whatever takes a list)."""

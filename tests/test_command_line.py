@@ -46,6 +46,9 @@ def _usage_error(argv, capsys) -> str:
     (["bench", "latency", "--batch-sizes", "4", "0"], "--batch-sizes: must be a positive"),
     (["bench", "scale", "--repeats", "0"], "--repeats: must be a positive integer"),
     (["bench", "throughput", "--save-result", "/"], "--save-result: / is a directory"),
+    (["bench", "goodput", "--rates", "1,abc"], "--rates: must be positive request rates"),
+    (["bench", "goodput", "--rates", "nan"], "--rates: must be positive request rates"),
+    (["bench", "stress", "--read-timeout", "0"], "--read-timeout: must be more than 0 seconds"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_its_flag(argv, message, capsys):
     assert message in _usage_error(argv, capsys)

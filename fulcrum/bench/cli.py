@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Dict, Tuple
 
-from fulcrum.arg_types import output_dir, output_file, positive_int, url_path
+from fulcrum.arg_types import output_dir, output_file, positive_int, positive_seconds, url_path
 from fulcrum.bench.arrivals import add_arrival_args, build_schedule
 from fulcrum.bench.datasets import add_dataset_args, build_requests
 from fulcrum.bench.metrics import GOODPUT_KEYS, format_report, parse_goodput, report_by_group
@@ -183,13 +183,13 @@ def _register_stress(commands) -> None:
     parser.add_argument("--stall-fraction", type=float, default=0.05,
                         help="share of clients that open the stream, never read it and hang "
                              "up after --stall-seconds (default 0.05)")
-    parser.add_argument("--stall-seconds", type=float, default=5.0)
+    parser.add_argument("--stall-seconds", type=positive_seconds, default=5.0)
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts and client roles")
-    parser.add_argument("--read-timeout", type=float, default=120.0,
+    parser.add_argument("--read-timeout", type=positive_seconds, default=120.0,
                         help="longest wait for the headers or one chunk, seconds")
-    parser.add_argument("--round-timeout", type=float, default=600.0,
+    parser.add_argument("--round-timeout", type=positive_seconds, default=600.0,
                         help="bound on one round's requests, seconds")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
+    parser.add_argument("--drain-timeout", type=positive_seconds, default=60.0,
                         help="bound on the wait for an idle server after a round, seconds")
     parser.add_argument("--save-result", type=output_file, metavar="FILE",
                         help="write the report as JSON")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fulcrum.arg_types import output_dir, positive_int
+from fulcrum.arg_types import output_dir, positive_int, rate_list
 from fulcrum.bench.arrivals import schedule
 from fulcrum.bench.datasets import RANDOM_ID_LIMIT, SampleRequest, chat_requests
 from fulcrum.bench.metrics import ALL, report_by_group
@@ -252,7 +252,8 @@ def run_goodput(args: argparse.Namespace) -> int:
 def add_goodput_args(parser: argparse.ArgumentParser) -> None:
     names = ",".join(engines({"ttft": 0, "tpot": 0}))
     parser.add_argument("--engines", default=names, help=f"comma-separated, from {names}")
-    parser.add_argument("--rates", default="0.5,1,1.5,2", help="request rates to offer (req/s)")
+    parser.add_argument("--rates", type=rate_list, default="0.5,1,1.5,2",
+                        help="request rates to offer (req/s)")
     parser.add_argument("--num-prompts", type=positive_int, default=30, help="requests per rate")
     parser.add_argument("--input-len", type=positive_int, default=128, help="median prompt tokens")
     parser.add_argument("--output-len", type=positive_int, default=48, help="median output tokens")
