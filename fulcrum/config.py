@@ -36,6 +36,21 @@ DEFAULT_CHUNK_FRACTION = 8
 MAX_BLOCK_SIZE = 128
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What _check_types asks of a field by its declared type (an Optional one may also be None).
+# Optional[int] fields are checked with their ranges ("must be a positive integer").
+_TYPE_RULES = {
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "int": (is_int, "an integer"),
+    "float": (_is_number, "a number"), "Optional[float]": (_is_number, "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "Optional[str]": (lambda v: isinstance(v, str), "a string"),
+}
+
+
 @dataclass
 class EngineConfig:
     """All engine knobs. `resolve()` fills the derived ones once the model is known.
@@ -113,23 +128,13 @@ class EngineConfig:
                     getattr(self, field.name) is None:
                 setattr(self, field.name, field.default)
             value = getattr(self, field.name)
-            if field.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{field.name} must be True or False, got {value!r}")
-            if "float" in field.type and value is not None and (
-                    isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"{field.name} must be a number, got {value!r}")
-            if field.type == "int" and not is_int(value):
-                raise ValueError(f"{field.name} must be an integer, got {value!r}")
-            if field.type == "float" and value is None:
-                raise ValueError(f"{field.name} must be a number, got None")
             if isinstance(value, os.PathLike) and field.name in ("model", "tokenizer"):
                 value = os.fspath(value)
                 setattr(self, field.name, value)
-            if field.type in ("str", "Optional[str]") and value is not None \
-                    and not isinstance(value, str):
-                raise ValueError(f"{field.name} must be a string, got {value!r}")
-            if field.type == "str" and value is None:
-                raise ValueError(f"{field.name} must be a string, got None")
+            optional = field.type.startswith("Optional[")
+            rule = _TYPE_RULES.get(field.type)
+            if rule is not None and not (optional and value is None) and not rule[0](value):
+                raise ValueError(f"{field.name} must be {rule[1]}, got {value!r}")
 
     def _check_ranges(self) -> None:
         def positive(name: str) -> None:

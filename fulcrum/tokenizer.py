@@ -17,6 +17,19 @@ def _read_json(path: Path) -> Dict[str, Any]:
     return read_json_object(path) if path.is_file() else {}
 
 
+def lone_surrogate(text: str) -> Optional[int]:
+    """Where `text` holds a lone UTF-16 surrogate (a \\ud800 without its pair), or None.
+    Python strings may hold one; no Unicode text does, and tokenizers and UTF-8 encoders
+    raise on it deep inside whatever handles the text."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
 def _token_content(value: Any) -> Optional[str]:
     """Special tokens in tokenizer_config.json are plain strings or AddedToken dicts."""
     if isinstance(value, dict):
@@ -76,12 +89,10 @@ class Tokenizer:
         try:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # tokenizers': "TextInputSequence must be str"
-            if isinstance(text, str) and not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as error:
-                    raise ValueError(f"the text holds a lone UTF-16 surrogate at character "
-                                     f"{error.start}: it is not valid Unicode") from None
+            where = lone_surrogate(text) if isinstance(text, str) else None
+            if where is not None:
+                raise ValueError(f"the text holds a lone UTF-16 surrogate at character "
+                                 f"{where}: it is not valid Unicode") from None
             raise
 
     def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
+from fulcrum.tokenizer import lone_surrogate
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -35,7 +36,7 @@ def lone_surrogate_at(value: Any) -> Optional[str]:
     while pending:
         item, path = pending.pop()
         if isinstance(item, str):
-            if not item.isascii() and not _encodes(item):
+            if lone_surrogate(item) is not None:
                 return ".".join(map(str, path)) or "body"
         elif isinstance(item, dict):
             pending.extend((key, path) for key in item)
@@ -44,14 +45,6 @@ def lone_surrogate_at(value: Any) -> Optional[str]:
             pending.extend((child, (*path, i)) for i, child in enumerate(item)
                            if isinstance(child, (str, dict, list)))
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class RequestBody(BaseModel):
