@@ -26,6 +26,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from fulcrum import LLM, SamplingParams
 
+    if args.scheduling_policy != "slo" and (args.slo_ttft_ms, args.slo_tpot_ms) != (None, None):
+        # A server's metrics judge goodput by them under any policy; generate shows none.
+        raise ValueError("--slo-ttft-ms and --slo-tpot-ms steer only --scheduling-policy slo "
+                         "in generate")
     llm = LLM(**engine_kwargs(args))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

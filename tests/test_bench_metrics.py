@@ -247,6 +247,50 @@ def test_jsonl_dataset(tmp_path):
         jsonl_requests(str(path), 7)
 
 
+def _bench_args(*argv):
+    from fulcrum.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_each_dataset_takes_only_the_settings_it_reads(tmp_path):
+    from fulcrum.bench.arrivals import build_schedule
+    from fulcrum.bench.datasets import build_requests
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": [i, i + 1]}) for i in range(5)))
+    jsonl = ("--dataset", "jsonl", "--dataset-path", str(path))
+    refused = [("throughput", "--dataset-path", str(path)),
+               ("throughput", "--long-input-len", "100"),
+               ("throughput", "--dataset", "chat", "--range-ratio", "0.5"),
+               ("throughput", *jsonl, "--input-len", "9"),
+               ("sweep", *jsonl, "--long-num-prompts", "1")]
+    for argv in refused:
+        with pytest.raises(ValueError, match=f"^{argv[-2]} is not read by --dataset"):
+            build_requests(_bench_args(*argv))
+    # Not given: each command's defaults (sweep's scenario is smaller).
+    args = _bench_args("throughput", "--dataset", "mixed")
+    requests = build_requests(args)
+    assert (args.num_prompts, args.input_len, args.output_len, args.long_input_len) == (
+        64, 256, 128, 2048)
+    assert [r.prompt_len for r in requests].count(2048) == 2 and len(requests) == 66
+    args = _bench_args("sweep")
+    assert len(build_requests(args)) == 34 and args.input_len == 64 and args.output_len == 32
+    # jsonl: the whole file unless --num-prompts takes its first lines.
+    assert [r.prompt[0] for r in build_requests(_bench_args("throughput", *jsonl))] == [
+        0, 1, 2, 3, 4]
+    assert [r.prompt[0] for r in build_requests(
+        _bench_args("throughput", *jsonl, "--num-prompts", "2"))] == [0, 1]
+    # A long-request rate needs long requests to apply to.
+    args = _bench_args("serve", "--long-request-rate", "2")
+    with pytest.raises(ValueError, match="the dataset has no long requests"):
+        build_schedule(build_requests(args), args)
+    args = _bench_args("serve", "--dataset", "mixed", "--long-request-rate", "2",
+                       "--request-rate", "inf")
+    timed = build_schedule(build_requests(args), args)
+    assert sum(offset > 0 for offset, r in timed if r.group == "long") == 1
+
+
 def test_grid_is_a_union_of_products():
     grid = parse_grid(["max-num-batched-tokens=64,128 enable_chunked_prefill=true,false",
                        "batching_mode=static", "max_num_batched_tokens=64"])

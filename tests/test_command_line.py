@@ -120,3 +120,9 @@ def test_request_logs_show_whatever_the_log_level(monkeypatch):
     show_request_log(build_parser().parse_args(["--log-level", "ERROR", "serve",
                                                 "--enable-log-requests"]))
     assert logger.isEnabledFor(logging.INFO)
+
+
+def test_generate_refuses_latency_targets_no_policy_reads(capsys):
+    assert main(["generate", "--prompt", "x", "--scheduling-policy", "fcfs",
+                 "--slo-ttft-ms", "100"]) == 2
+    assert "steer only --scheduling-policy slo" in capsys.readouterr().err

@@ -48,10 +48,14 @@ def add_arrival_args(parser: argparse.ArgumentParser) -> None:
                        help="requests per second (inf: all at once)")
     group.add_argument("--burstiness", type=float, default=1.0,
                        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier")
-    group.add_argument("--long-request-rate", type=float, default=math.inf,
-                       help="mixed: arrival rate of the long requests (inf: at the start)")
+    group.add_argument("--long-request-rate", type=float,
+                       help="mixed, chat: arrival rate of the long requests (default inf: at "
+                            "the start)")
 
 
 def build_schedule(requests: List[SampleRequest], args: argparse.Namespace) -> Schedule:
-    rates = {"all": args.request_rate, LONG: args.long_request_rate}
+    long_rate = args.long_request_rate
+    if long_rate is not None and not any(r.group == LONG for r in requests):
+        raise ValueError("--long-request-rate is given but the dataset has no long requests")
+    rates = {"all": args.request_rate, LONG: math.inf if long_rate is None else long_rate}
     return schedule(requests, rates, args.burstiness, args.seed)

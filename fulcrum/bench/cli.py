@@ -69,12 +69,12 @@ def _register_serve(commands) -> None:
     parser.set_defaults(func=run_serve)
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, **dataset_defaults: int) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="local Hugging Face model folder (default: --shape, dummy weights)")
     parser.add_argument("--shape", choices=list(SHAPES), default=DEFAULT_SHAPE,
                         help="model shape to use with dummy weights when no folder is given")
-    add_dataset_args(parser)
+    add_dataset_args(parser, **dataset_defaults)
     add_engine_args(parser, skip=("model", "seed"))  # --seed seeds the weights and prompts
 
 
@@ -102,14 +102,13 @@ def _register_sweep(commands) -> None:
         description="Replay one serving scenario in-process under each setting and draw total "
                     "throughput against short-request TTFT p99 and TPOT p99, Pareto front "
                     "marked. Writes sweep.png, sweep.md and sweep.json.")
-    _add_model_args(parser)
+    _add_model_args(parser, num_prompts=32, input_len=64, output_len=32)
     add_arrival_args(parser)
     parser.add_argument("--grid", action="append", metavar="'FIELD=V1,V2 ...'",
                         help="settings: each --grid is a Cartesian product, several are joined "
                              f"(default: {' | '.join(DEFAULT_GRID)})")
     parser.add_argument("--output-dir", type=output_dir, default=f"{RESULTS_DIR}/sweep")
-    parser.set_defaults(func=run_sweep, dataset="mixed", num_prompts=32, input_len=64,
-                        output_len=32, request_rate=4.0)
+    parser.set_defaults(func=run_sweep, dataset="mixed", request_rate=4.0)
 
 
 def _register_report(commands) -> None:
@@ -274,7 +273,7 @@ def _against_server(args: argparse.Namespace, run: Callable[[], Awaitable[Any]])
 
 
 def _run_args(args: argparse.Namespace) -> Dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k != "func"}
+    return {k: v for k, v in vars(args).items() if k not in ("func", "dataset_defaults")}
 
 
 def _model(args: argparse.Namespace) -> Tuple[str, str, Dict[str, Any]]:

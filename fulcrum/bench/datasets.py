@@ -106,28 +106,58 @@ def jsonl_requests(path: str, default_output_len: int,
     return requests
 
 
-def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+# What each dataset reads, and the value of a setting not given. A setting given to a dataset
+# that does not read it is refused: it would change nothing while the report claimed it.
+DATASET_SETTINGS = {
+    "random": ("num_prompts", "input_len", "output_len", "range_ratio"),
+    "mixed": ("num_prompts", "input_len", "output_len", "range_ratio", "long_num_prompts",
+              "long_input_len"),
+    "chat": ("num_prompts", "input_len", "output_len"),
+    "jsonl": ("dataset_path", "num_prompts", "output_len"),
+}
+SETTING_DEFAULTS = {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.0,
+                    "long_num_prompts": 2, "long_input_len": 2048}
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """`defaults` replace SETTING_DEFAULTS for this command (bench sweep's smaller scenario)."""
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset", choices=["random", "mixed", "chat", "jsonl"], default="random")
+    group.add_argument("--dataset", choices=list(DATASET_SETTINGS), default="random")
     group.add_argument("--dataset-path", help="the JSONL file of --dataset jsonl")
-    group.add_argument("--num-prompts", type=positive_int, default=64,
-                       help="requests (the short ones for --dataset mixed)")
-    group.add_argument("--input-len", type=positive_int, default=256,
+    group.add_argument("--num-prompts", type=positive_int,
+                       help="requests (the short ones for --dataset mixed; the first ones of "
+                            "the file for --dataset jsonl, default all)")
+    group.add_argument("--input-len", type=positive_int,
                        help="prompt tokens (the short ones for --dataset mixed; the median "
                             "for --dataset chat)")
-    group.add_argument("--output-len", type=positive_int, default=128,
-                       help="tokens generated per request (the median for --dataset chat)")
-    group.add_argument("--range-ratio", type=float, default=0.0,
-                       help="lengths drawn uniformly within +-ratio of the given ones")
-    group.add_argument("--long-num-prompts", type=non_negative_int, default=2,
-                       help="mixed: long requests")
-    group.add_argument("--long-input-len", type=positive_int, default=2048,
-                       help="mixed: long prompt tokens")
+    group.add_argument("--output-len", type=positive_int,
+                       help="tokens generated per request (the median for --dataset chat; for "
+                            "--dataset jsonl, of lines without their own)")
+    group.add_argument("--range-ratio", type=float,
+                       help="random, mixed: lengths drawn uniformly within +-ratio of the given "
+                            "ones")
+    group.add_argument("--long-num-prompts", type=non_negative_int, help="mixed: long requests")
+    group.add_argument("--long-input-len", type=positive_int, help="mixed: long prompt tokens")
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    parser.set_defaults(dataset_defaults={**SETTING_DEFAULTS, **defaults})
+
+
+def resolve_dataset_args(args: argparse.Namespace) -> None:
+    """Fill in the settings the dataset reads that were not given; refuse those it ignores."""
+    reads = DATASET_SETTINGS[args.dataset]
+    for name in {name for names in DATASET_SETTINGS.values() for name in names} - set(reads):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} is not read by --dataset "
+                             f"{args.dataset}")
+    for name in reads:
+        if getattr(args, name) is None and not (args.dataset == "jsonl" and name != "output_len"):
+            setattr(args, name, args.dataset_defaults[name])
 
 
 def build_requests(args: argparse.Namespace,
                    count_tokens: Optional[Callable[[str], int]] = None) -> List[SampleRequest]:
+    """The dataset's requests; fills in `args`' unset settings first (resolve_dataset_args)."""
+    resolve_dataset_args(args)
     rng = np.random.default_rng(args.seed)
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len,
@@ -140,4 +170,4 @@ def build_requests(args: argparse.Namespace,
                              getattr(args, "max_model_len", None) or CHAT_MAX_LEN, rng)
     if not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
-    return jsonl_requests(args.dataset_path, args.output_len, count_tokens)
+    return jsonl_requests(args.dataset_path, args.output_len, count_tokens)[:args.num_prompts]
