@@ -49,7 +49,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tupl
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine import LLMEngine, PromptType
-from fulcrum.outputs import RequestOutput
+from fulcrum.outputs import RequestFault, RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
 from fulcrum.stats import StepReport
 from fulcrum.tokenizer import Tokenizer
@@ -69,7 +69,13 @@ class QueueFullError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """Processing this request failed (finish reason "error"); the engine serves on."""
+    """Processing this request failed (finish reason "error"); the engine serves on.
+    `status` is the HTTP status it means: 400 when the request caused it (a RequestFault),
+    else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclasses.dataclass
@@ -205,7 +211,8 @@ class AsyncLLM:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}",
+                                             400 if isinstance(item.error, RequestFault) else 500)
                 yield item
         finally:
             if not finished:

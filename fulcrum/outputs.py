@@ -25,6 +25,12 @@ class SampledToken:
 SampleLogprobs = List[Dict[int, Logprob]]
 
 
+class RequestFault(str):
+    """Why a request failed when the cause lies in the request itself, not in the engine (its
+    constraints and penalties leave no token to sample): servers answer it as a client error
+    (400), not a 500. A str, so it travels wherever failure messages do."""
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -49,4 +55,5 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = field(default=None, repr=False)
-    error: Optional[str] = None  # why the request failed (finish reason "error")
+    error: Optional[str] = None  # why the request failed (finish reason "error"); RequestFault
+    # when the request caused it

@@ -14,6 +14,7 @@ from fulcrum import LLM, SamplingParams
 from fulcrum.sampling_params import StructuredOutputsParams
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.output_processor import OutputProcessor
+from fulcrum.outputs import RequestFault
 from fulcrum.worker.sampler import Sampler
 from test_bad_input import assert_all_blocks_free, run_to_completion
 
@@ -74,6 +75,7 @@ def test_sampler_fault_fails_one_request(llm, monkeypatch):
     monkeypatch.setattr(Sampler, "__call__", sample)
     final = run_with_poison(llm)
     assert_only_poison_failed(final, expected, "sampling failed")
+    assert not isinstance(final[POISON].error, RequestFault)  # the engine's doing: a 500
     # Each child sampled one token before the fault; the error output keeps it.
     assert [len(c.token_ids) for c in final[POISON].outputs] == [1, 1]
 
@@ -93,7 +95,8 @@ def test_a_request_that_rules_out_every_token_fails_alone(llm, temperature):
     _, final = run_to_completion(engine)
     assert_all_blocks_free(engine)
     failed = final[POISON]
-    assert failed.error is not None and "no token can be sampled" in failed.error
+    assert isinstance(failed.error, RequestFault)  # the request's doing: a server says 400
+    assert "no token can be sampled" in failed.error
     assert [c.finish_reason for c in failed.outputs] == ["error"]
     assert failed.outputs[0].token_ids == []
     for request_id, tokens in expected.items():

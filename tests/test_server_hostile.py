@@ -48,6 +48,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 PROMPT = "Once upon a time"  # 5 tokens with BOS
 PROMPT_TOKENS = 5
 DROP = object()  # a field value meaning: leave the field out
+NO_TEXT = "[^\\s\\S]"  # a regular expression that no text matches
 
 
 # ---------------------------------------------------------------------- fixtures
@@ -433,6 +434,11 @@ def _unicode_and_cost_cases() -> list:
                                                     {"enum": list(range(5001))}]}}),
         comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
              guided_choice=[f"c{i}" for i in range(10001)]),
+        # Checked up front, these fail at their first step: the request's fault, not the
+        # engine's (a 400, not a 500).
+        comp("regex-matching-no-text", ("sampled", "constraints"), guided_regex=NO_TEXT),
+        chat("allowed-token-ids-all-bad-words", ("sampled", "constraints"),
+             allowed_token_ids=[300], bad_words=["ha"]),  # token 300 is "▁ha"
     ]
 
 
@@ -651,6 +657,18 @@ def test_fuzzed_requests_never_fail_the_server(server, request):
     assert response.status_code < 500, f"{response.status_code}: {response.text[:300]!r}"
     if response.status_code >= 400:
         assert_error_body(response, response.status_code)
+    assert_healthy(server)
+
+
+def test_a_stream_its_request_fails_ends_with_a_client_error(server):
+    body = completion_body(stream=True, guided_regex=NO_TEXT)
+    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200  # sent before the first step
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == (400, "BadRequestError")
+    assert "no token can be sampled" in error["message"]
     assert_healthy(server)
 
 

@@ -70,7 +70,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(overloaded(error))
 
     async def request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
-        return error_response(APIError(500, str(error)))
+        return error_response(APIError(error.status, str(error)))
 
     async def unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")

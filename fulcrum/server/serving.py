@@ -581,7 +581,7 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
     except EngineDeadError as error:
         yield _sse(APIError(503, str(error)).body())
     except RequestFailedError as error:
-        yield _sse(APIError(500, str(error)).body())
+        yield _sse(APIError(error.status, str(error)).body())
     except Exception as error:  # noqa: BLE001 - as the 500 a whole response would get
         logger.exception("a stream failed")
         yield _sse(APIError(500, f"internal error: {error!r}").body())

@@ -25,7 +25,7 @@ from fulcrum.worker.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
 from fulcrum.core.request import SamplingRow
 from fulcrum.outputs import Logprob, SampledToken
-from fulcrum.worker.sampler import Sampler, logprob_entries
+from fulcrum.worker.sampler import NothingToSample, Sampler, logprob_entries
 from fulcrum.core.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -185,12 +185,16 @@ class ModelRunner:
         try:
             return {row.request_id: t
                     for row, t in zip(rows, self.sampler(logits, rows, argmax))}, {}
+        except NothingToSample:
+            pass  # a request's own constraints; found again below, row by row
         except Exception:  # noqa: BLE001 - isolated below, row by row
             logger.exception("sampling the batch failed; sampling its rows one by one")
         sampled, failed = {}, {}
         for i, row in enumerate(rows):
             try:
                 sampled[row.request_id] = self.sampler(logits[i:i + 1], [row])[0]
+            except NothingToSample as error:
+                failed[row.request_id] = error.args[0]
             except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 failed[row.request_id] = f"sampling failed: {error!r}"
         return sampled, failed

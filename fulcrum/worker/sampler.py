@@ -17,7 +17,12 @@ import torch
 
 from fulcrum import kernels
 from fulcrum.core.request import SamplingRow
-from fulcrum.outputs import Logprob, SampledToken
+from fulcrum.outputs import Logprob, RequestFault, SampledToken
+
+
+class NothingToSample(ValueError):
+    """A row's constraints and penalties rule out every token; its one argument is the
+    RequestFault its request fails with."""
 
 
 class Sampler:
@@ -73,8 +78,9 @@ class Sampler:
         bad = (tokens < 0) | (tokens >= vocab) | ~torch.isfinite(chosen)
         if bool(bad.any()):
             row = rows[int(bad.nonzero()[0, 0])]
-            raise ValueError(f"request {row.request_id}: no token can be sampled: its "
-                             "constraints and penalties leave none with a finite logit")
+            raise NothingToSample(RequestFault(
+                f"request {row.request_id}: no token can be sampled: its constraints and "
+                "penalties leave none with a finite logit"))
 
     # ------------------------------------------------------- token controls
     @staticmethod
