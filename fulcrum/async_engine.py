@@ -171,8 +171,8 @@ class AsyncLLM:
                        truncate: Optional[int] = None) -> Tuple[Optional[str], List[int]]:
         """(text, token ids) of a prompt, cut to its last `truncate` tokens if given (vLLM's
         truncate_prompt_tokens); raises ValueError/TypeError if the engine would."""
-        text, token_ids = self.engine.truncate_prompt(*self.engine.tokenize_prompt(prompt),
-                                                      truncate)
+        text, token_ids = self.engine.truncate_prompt(
+            *self.engine.tokenize_prompt(prompt, truncate), truncate)
         self.engine.validate_prompt(token_ids)
         self.engine.cache_salt(prompt)
         return text, token_ids

@@ -231,8 +231,9 @@ class LLMEngine:
         return refused
 
     # ---------------------------------------------------------------- requests
-    def tokenize_prompt(self, prompt: PromptType) -> tuple:
-        """(text or None, token ids) for a string, a token-id list or vLLM's prompt dicts."""
+    def tokenize_prompt(self, prompt: PromptType, keep: Optional[int] = None) -> tuple:
+        """(text or None, token ids) for a string, a token-id list or vLLM's prompt dicts;
+        `keep` as in `encode`."""
         if isinstance(prompt, dict):
             unread = [key for key, value in prompt.items()
                       if key not in PROMPT_DICT_KEYS and value is not None]
@@ -247,28 +248,36 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
+            return prompt, self.encode(prompt, keep=keep)
         if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
             return None, token_id_list(prompt)
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               keep: Optional[int] = None) -> List[int]:
         """Token ids of a prompt text. A text too long to fit in max_model_len tokens even at
         the most characters a token can stand for is refused before it is tokenized, so a
-        huge body cannot hold the server up tokenizing it."""
-        limit = TEXT_SLACK * self.config.max_model_len * self.tokenizer.max_chars_per_token
-        if len(text) > limit:
-            raise ValueError(f"the prompt is {len(text)} characters long: more than "
-                             f"{self.config.max_model_len} tokens (the maximum model length) "
-                             "can hold")
+        huge body cannot hold the server up tokenizing it; unless only its last `keep`
+        tokens are wanted (truncate_prompt_tokens, -1: max_model_len): then only its end is
+        tokenized, twice as many tokens' worth of characters as are kept, which hold them."""
+        chars = TEXT_SLACK * self.tokenizer.max_chars_per_token
+        if len(text) > chars * self.config.max_model_len:
+            if keep is None:
+                raise ValueError(f"the prompt is {len(text)} characters long: more than "
+                                 f"{self.config.max_model_len} tokens (the maximum model "
+                                 "length) can hold; truncate_prompt_tokens keeps its end")
+            text = text[-chars * self._kept_tokens(keep):]
         return self.tokenizer.encode(text, add_special_tokens)
+
+    def _kept_tokens(self, keep: int) -> int:
+        return self.config.max_model_len if keep == -1 else keep
 
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple:
         """(text, token ids) of a prompt as the request will run it: tokenized, truncated as
         params ask, checked against the model's limits."""
-        text, token_ids = self.truncate_prompt(*self.tokenize_prompt(prompt),
-                                               params.truncate_prompt_tokens)
+        keep = params.truncate_prompt_tokens
+        text, token_ids = self.truncate_prompt(*self.tokenize_prompt(prompt, keep), keep)
         self.validate_prompt(token_ids)
         return text, token_ids
 
@@ -276,10 +285,9 @@ class LLMEngine:
                         keep: Optional[int]) -> tuple:
         """(text, token ids) of the prompt's last `keep` tokens (-1: max_model_len), vLLM's
         truncate_prompt_tokens; a prompt cut short gets the text of what is left."""
-        keep = self.config.max_model_len if keep == -1 else keep
-        if keep is None or len(token_ids) <= keep:
+        if keep is None or len(token_ids) <= self._kept_tokens(keep):
             return text, token_ids
-        kept = token_ids[-keep:]
+        kept = token_ids[-self._kept_tokens(keep):]
         return self.tokenizer.decode(kept, skip_special_tokens=False), kept
 
     def bad_words_token_ids(self, words: Optional[Sequence[str]]) -> List[List[int]]:

@@ -184,6 +184,22 @@ def test_truncate_prompt_tokens_keeps_the_end(llm):
     assert kept.prompt_token_ids == long[-500:]
 
 
+def test_truncate_prompt_tokens_takes_a_text_past_the_length_guard(llm):
+    """A text too long for max_model_len at the most characters a token can stand for is
+    refused untokenized, unless only its end is wanted: then only its end is tokenized."""
+    engine = llm.llm_engine
+    guard = 2 * engine.config.max_model_len * engine.tokenizer.max_chars_per_token
+    text = "".join(f"story {i} went on. " for i in range(guard // 10))
+    assert len(text) > guard
+    with pytest.raises(ValueError, match="truncate_prompt_tokens keeps its end"):
+        greedy(llm, text)
+    full = llm.get_tokenizer().encode(text)
+    for keep in (40, 500):
+        assert greedy(llm, text, truncate_prompt_tokens=keep).prompt_token_ids == full[-keep:]
+    with pytest.raises(ValueError, match="but 512 prompt tokens"):  # -1 keeps 512: no room
+        greedy(llm, text, truncate_prompt_tokens=-1)
+
+
 # ------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def served(llama_dir):
@@ -211,6 +227,15 @@ def test_server_controls(server):
         "messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 2,
         "truncate_prompt_tokens": 9}).json()
     assert chat["usage"]["prompt_tokens"] == 9
+    huge = "once upon a time " * 100_000  # past the length guard
+    for route, body in [("/v1/completions", {"prompt": huge}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": huge}]})]:
+        reply = httpx.post(server.url + route, json={**body, "max_tokens": 1}, timeout=60)
+        assert reply.status_code == 400 and "characters long" in reply.text
+        reply = httpx.post(server.url + route, json={**body, "max_tokens": 1,
+                                                     "truncate_prompt_tokens": 5}, timeout=60)
+        assert reply.json()["usage"]["prompt_tokens"] == 5
 
 
 def test_server_echo_with_logprobs_covers_the_prompt(server, llama_dir):

@@ -360,7 +360,7 @@ class OpenAIServing:
         """(text, token ids) of one prompt, checked against the model's limits."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt,
-                      "prompt_token_ids": self.llm.engine.encode(prompt, add_special)}
+                      "prompt_token_ids": self.llm.engine.encode(prompt, add_special, truncate)}
         text, token_ids = self.llm.process_prompt(prompt, truncate)
         return (text if text is not None else self.llm.tokenizer.decode(token_ids)), token_ids
 
@@ -485,7 +485,7 @@ class OpenAIServing:
             text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
                                                  add_generation_prompt,
                                                  chat_template or self.chat_template, **kwargs)
-            token_ids = self.llm.engine.encode(text, add_special_tokens=False)
+            token_ids = self.llm.engine.encode(text, False, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
         except (ValueError, TypeError, ArithmeticError, LookupError,
