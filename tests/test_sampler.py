@@ -459,3 +459,31 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
         assert tokens[0] in (3, 250) and tokens[1] == 299
     assert _inverse_cdf(probs, edges[:1].expand(2, 1), block=128).tolist() == [3, 299]
     assert _inverse_cdf(probs, edges[1:].expand(2, 1), block=128).tolist() == [250, 299]
+
+
+# ------------------------------------------------------------ nothing to sample
+def test_a_row_with_nothing_to_sample_is_the_requests_fault_unless_the_model_is():
+    from fulcrum.outputs import RequestFault
+    from fulcrum.worker.sampler import NothingToSample
+
+    sampler = Sampler(0, CPU)
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    for params in (dict(temperature=0.0), dict(temperature=1.0, seed=1)):
+        # Every token ruled out by the request's own controls: a RequestFault.
+        constrained = row("x", allowed_token_ids=[2], **params)
+        constrained.bad_words_token_ids = [[2]]
+        with pytest.raises(NothingToSample) as caught:
+            sampler(logits.clone(), [constrained])
+        assert isinstance(caught.value.args[0], RequestFault)
+        assert "request x: no token can be sampled" in caught.value.args[0]
+        # NaN from the model itself, under a request's penalties: the engine's fault.
+        with pytest.raises(ValueError, match="request y: the model's logits are NaN") as caught:
+            sampler(torch.tensor([[1.0, math.nan, 3.0]]),
+                    [row("y", prompt=[1], presence_penalty=1.0, **params)])
+        assert not isinstance(caught.value, NothingToSample)
+    # A sampled (not greedy) row of untouched NaN logits lands outside the vocabulary.
+    with pytest.raises(ValueError, match="the model's logits are NaN"):
+        sampler(torch.full((1, 3), math.nan), [row("z", temperature=1.0, seed=1)])
+    # Unchanged logits rule nothing out: a greedy -inf row still takes its argmax.
+    assert sampler(torch.tensor([[-math.inf, -math.inf]]), [row(temperature=0.0)])[
+        0].token_id in (0, 1)
