@@ -193,6 +193,28 @@ def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(model_dir
         assert time.monotonic() - start < 30
 
 
+def test_aborting_a_group_aborts_its_device_collectives_not_its_gloo_group():
+    """On CUDA the step's collectives run on NCCL, whose kernels wait on the GPU for a lost
+    peer until the communicator is aborted; gloo fails by itself when a peer's sockets close.
+    (The NCCL path itself needs a GPU: this checks which groups the abort reaches.)"""
+    from fulcrum.distributed.group import ParallelGroup
+
+    class Backend:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    group = ParallelGroup.__new__(ParallelGroup)
+    group.shm, group.cpu = None, Backend()
+    group.pg = group.cpu
+    group.abort()
+    assert not group.cpu.aborted
+    group.pg = Backend()
+    group.abort()
+    assert group.pg.aborted and not group.cpu.aborted
+
+
 def test_a_rank_dying_while_starting_fails_the_engine_at_once(model_dirs):
     # Killed while it imports torch, before it joins the group: the driver's wait to meet
     # it (gloo's rendezvous would wait 600 s) must end with the rank's fate.

@@ -67,11 +67,15 @@ class ParallelGroup:
             self.shm = SharedMemoryCollectives(rank, world_size, publish, self.barrier, gone)
 
     def abort(self) -> None:
-        """Stop every rank's current and later shared-memory collectives with an error: a
-        rank has ended, and those waiting for it (in native code, where `gone` is not
-        asked) must not wait out the timeout."""
+        """Stop every rank's current and later collectives with an error: a rank has ended,
+        and those waiting for it must not wait out the timeout. Shared memory: in native
+        code, where `gone` is not asked. NCCL: its kernels spin on the GPU for a lost peer
+        until the communicator is aborted (what torch's own watchdog does at the timeout).
+        Gloo needs nothing: a lost peer's closed sockets fail its waits at once."""
         if self.shm is not None:
             self.shm.abort()
+        if self.pg is not self.cpu:
+            self.pg.abort()
 
     def barrier(self) -> None:
         self.cpu.allreduce([torch.zeros(1)]).wait()
