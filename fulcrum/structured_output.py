@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import re
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -23,7 +25,7 @@ import xgrammar as xgr
 from fulcrum.sampling_params import StructuredOutputsParams
 from fulcrum.tokenizer import Tokenizer
 
-# Compiled grammars kept for reuse, the least recently used dropped first.
+# Parsed and compiled grammars kept for reuse, the least recently used dropped first.
 MAX_CACHED_GRAMMARS = 256
 # xgrammar's errors start with a timestamp and its source file: "[12:00:00] /x/y.cc:42: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -101,44 +103,70 @@ class GrammarCompiler:
             max_workers=1, thread_name_prefix="fulcrum-grammar")
         self._cache: "collections.OrderedDict[tuple, concurrent.futures.Future]" = \
             collections.OrderedDict()
+        # Parsed once per constraint: the server's check, the engine's and the compile each
+        # ask, from the event loop and the engine thread (a 5,000-property schema parses in
+        # ~50 ms).
+        self._parsed: "collections.OrderedDict[tuple, xgr.Grammar]" = collections.OrderedDict()
+        self._parsed_lock = threading.Lock()
 
-    @staticmethod
-    def parse(params: StructuredOutputsParams) -> xgr.Grammar:
+    def parse(self, params: StructuredOutputsParams) -> xgr.Grammar:
         """The constraint as a grammar; ValueError (naming what is wrong) if it is invalid."""
-        kind = params.kind
-        any_whitespace = not params.disable_any_whitespace
-        try:
-            if kind == "json":
-                return xgr.Grammar.from_json_schema(params.source, any_whitespace=any_whitespace)
-            if kind == "regex":
-                return xgr.Grammar.from_regex(params.regex)
-            if kind == "choice":
-                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
-                    _ebnf_literal(c) for c in params.choice))
-            if kind == "grammar":
-                return xgr.Grammar.from_ebnf(params.grammar)
-            # json_object: any JSON object (OpenAI's JSON mode), not any JSON value.
-            return xgr.Grammar.from_json_schema('{"type": "object"}',
-                                                any_whitespace=any_whitespace)
-        except RuntimeError as error:
-            raise ValueError(f"invalid {kind} constraint: {_message(error)}") from None
+        key = _key(params)
+        with self._parsed_lock:
+            grammar = self._parsed.get(key)
+            if grammar is not None:
+                self._parsed.move_to_end(key)
+                return grammar
+        grammar = _parse(params)
+        with self._parsed_lock:
+            _keep(self._parsed, key, grammar)
+        return grammar
 
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A new request's grammar; its compiled form is shared with every request that has
         the same constraint."""
-        key = (params.kind, params.source, params.disable_any_whitespace)
+        key = _key(params)
         compiled = self._cache.get(key)
         if compiled is None or _failure(compiled) is not None:
-            grammar = self.parse(params)
-            compiled = self._executor.submit(self._compiler.compile_grammar, grammar)
-            self._cache[key] = compiled
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
+            compiled = self._executor.submit(self._compiler.compile_grammar, self.parse(params))
+        _keep(self._cache, key, compiled)
         return RequestGrammar(compiled)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _key(params: StructuredOutputsParams) -> tuple:
+    """A constraint's cache key: a digest of its source (up to 1 MiB) rather than the text."""
+    digest = hashlib.blake2b(params.source.encode("utf-8", "surrogatepass"), digest_size=16)
+    return params.kind, digest.digest(), params.disable_any_whitespace
+
+
+def _keep(cache: collections.OrderedDict, key: tuple, value) -> None:
+    """Store as the most recently used; the least recently used beyond the limit go."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > MAX_CACHED_GRAMMARS:
+        cache.popitem(last=False)
+
+
+def _parse(params: StructuredOutputsParams) -> xgr.Grammar:
+    kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(params.source, any_whitespace=any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
+                _ebnf_literal(c) for c in params.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(params.grammar)
+        # json_object: any JSON object (OpenAI's JSON mode), not any JSON value.
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    except RuntimeError as error:
+        raise ValueError(f"invalid {kind} constraint: {_message(error)}") from None
 
 
 def _ebnf_literal(text: str) -> str:

@@ -179,6 +179,25 @@ def test_requests_with_one_schema_share_one_compile(llm):
         is not first.future
 
 
+def test_a_constraint_is_parsed_once_however_often_it_is_checked(llm, monkeypatch):
+    """The checks before a request is queued and its compile all ask for the parsed grammar;
+    a large schema takes tens of milliseconds to parse, on the server's event loop."""
+    from fulcrum import structured_output
+
+    parsed = []
+    original = structured_output._parse
+    monkeypatch.setattr(structured_output, "_parse",
+                        lambda params: parsed.append(params.source) or original(params))
+    schema = {**SCHEMA, "title": "parsed once"}  # not parsed by the other tests
+    for seed in (1, 2):
+        llm.generate(["hello"], constrained(seed, max_tokens=4, json=schema), use_tqdm=False)
+    assert parsed == [json.dumps(schema)]
+    # The same schema with the other whitespace rule is another grammar.
+    llm.generate(["hello"], constrained(3, max_tokens=4, json=schema,
+                                        disable_any_whitespace=True), use_tqdm=False)
+    assert len(parsed) == 2
+
+
 def test_constrained_requests_survive_preemption(llama_dir):
     """Preemption keeps generated tokens, so the matcher is still right when they resume."""
     prompts = [list(range(1 + 40 * i, 35 + 40 * i)) for i in range(3)]
