@@ -259,6 +259,9 @@ def test_auto_streams_content_then_the_call(server):
     assert len(deltas) == 1 and deltas[0]["function"]["name"] == "get_weather"
     assert choices[-1]["finish_reason"] == "tool_calls"
     assert all(c["finish_reason"] is None for c in choices[:-1])
+    # What the parser holds back (the call as it comes) sends no empty chunks meanwhile.
+    assert all(c["delta"].get("role") or c["delta"].get("content") is not None
+               or c["delta"].get("tool_calls") or c["finish_reason"] for c in choices)
 
 
 def test_named_streams_argument_pieces(server):

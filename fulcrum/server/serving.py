@@ -279,7 +279,7 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -
 
 
 # ------------------------------------------------------------------ serving
-ChunkMaker = Callable[[_Choice, _Delta], BaseModel]
+ChunkMaker = Callable[[_Choice, _Delta], Optional[BaseModel]]  # None: nothing to send
 
 
 def overloaded(error: QueueFullError) -> APIError:
@@ -394,7 +394,7 @@ class OpenAIServing:
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=choices, usage=usage)
 
-        def delta_chunk(c: _Choice, delta: _Delta) -> BaseModel:
+        def delta_chunk(c: _Choice, delta: _Delta) -> Optional[BaseModel]:
             message, finish_reason = DeltaMessage(content=delta.text), c.finish_reason
             stream = streams[c.index]
             if stream is not None:
@@ -408,6 +408,9 @@ class OpenAIServing:
                 message = DeltaMessage(content=piece.content,
                                        tool_calls=piece.tool_calls or None)
                 finish_reason = _tool_finish_reason(c.finish_reason, were_calls)
+                if (message.content, message.tool_calls, finish_reason) == (None, None, None) \
+                        and request.num_logprobs is None:
+                    return None  # text the tool parser holds back: no empty chunk (as vLLM)
             return chunk([ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
                 finish_reason=finish_reason, stop_reason=c.stop_reason)],
@@ -575,7 +578,9 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
             yield _sse(payload)
         async for prompt_index, output in outputs:
             for choice, delta in generation.add(prompt_index, output):
-                yield _sse(chunk(choice, delta))
+                payload = chunk(choice, delta)
+                if payload is not None:
+                    yield _sse(payload)
         if usage_chunk is not None:
             yield _sse(usage_chunk())
     except EngineDeadError as error:
