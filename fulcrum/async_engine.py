@@ -48,7 +48,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
 
 from fulcrum.config import EngineConfig
-from fulcrum.engine import LLMEngine, PromptType
+from fulcrum.engine import LLMEngine, PromptType, check_request_ids
 from fulcrum.outputs import RequestFault, RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
 from fulcrum.stats import StepReport
@@ -222,6 +222,7 @@ class AsyncLLM:
         """Stop a request; its blocks are freed before the next step. Unknown ids are ignored.
         The id stays taken until the engine reports the abort, so that no output the old
         request had on its way reaches a new request of the same id."""
+        check_request_ids([request_id])  # here, not in the engine thread, whose errors are fatal
         if self._streams.pop(request_id, None) is not None:
             self._aborting.add(request_id)
         self._submit(lambda: self.engine.abort_request(request_id))
@@ -250,6 +251,7 @@ class AsyncLLM:
     def _open(self, prompt: PromptType, params: SamplingParams, request_id: str,
               priority: int) -> asyncio.Queue:
         """Validate the request, register its stream and queue it for the engine thread."""
+        check_request_ids([request_id])
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request_id in self._aborting:

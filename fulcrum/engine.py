@@ -389,6 +389,7 @@ class LLMEngine:
         salt = self.cache_salt(prompt)
         if request_id is None:
             request_id = str(next(self._request_counter))
+        check_request_ids([request_id])
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
                                                         for i in range(params.n)]
         taken = [i for i in [request_id, *child_ids] if self.output_processor.has_request(i)
@@ -419,8 +420,9 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Stop requests now and free their KV blocks; the next step reports them as 'abort'."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
+        one = isinstance(request_ids, str) or not isinstance(request_ids, collections.abc.Iterable)
+        request_ids = [request_ids] if one else list(request_ids)
+        check_request_ids(request_ids)
         for request_id in request_ids:
             child_ids = self.output_processor.child_ids(request_id)
             done = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
@@ -512,6 +514,14 @@ class LLMEngine:
     @property
     def last_step_stats(self) -> Optional[StepStats]:
         return self.stats[-1] if self.stats else None
+
+
+def check_request_ids(request_ids: Iterable[object]) -> None:
+    """Request ids are non-empty strings (vLLM's): another type could not be told apart from
+    a list of ids where one is aborted, nor reach its caller's stream."""
+    for request_id in request_ids:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"a request id must be a non-empty string, got {request_id!r}")
 
 
 def is_token_id(value: object) -> bool:

@@ -255,6 +255,18 @@ def test_cache_salt_must_be_a_non_empty_string(llm):
                          SamplingParams(max_tokens=1), use_tqdm=False)
 
 
+def test_request_ids_must_be_non_empty_strings(llm):
+    engine = llm.llm_engine
+    for request_id in (7, "", b"id"):
+        with pytest.raises(TypeError, match="request id must be a non-empty string"):
+            engine.add_request(request_id, [1, 2], SamplingParams(max_tokens=1))
+        with pytest.raises(TypeError, match="request id must be a non-empty string"):
+            engine.abort_request([request_id])
+    with pytest.raises(TypeError, match="got 7"):
+        engine.abort_request(7)  # not a list of ids to iterate
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_full_length_request_fits_the_smallest_cache_allowed(llama_dir):
     llm = LLM(str(llama_dir), max_model_len=MAX_LEN, block_size=4,
               num_gpu_blocks_override=MAX_LEN // 4 + 1)

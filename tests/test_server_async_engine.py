@@ -92,10 +92,19 @@ def test_bad_requests_fail_alone(async_llm):
             await collect(async_llm, "x" * 600, GREEDY, "too-long")
         with pytest.raises(TypeError):
             await collect(async_llm, "fine", "not params", "bad-params")
+        # An id that is not a string: refused, never handed to the engine thread (where an
+        # abort of 7 iterated over an int and stopped the engine; None got an id of the
+        # engine's choosing that no stream waited for).
+        for request_id in (7, None, "", ("a",)):
+            with pytest.raises(TypeError, match="request id must be a non-empty string"):
+                await collect(async_llm, "fine", GREEDY, request_id)
+            with pytest.raises(TypeError, match="request id must be a non-empty string"):
+                async_llm.abort(request_id)
         return await collect(async_llm, "still fine", GREEDY, "good")
 
     outputs = asyncio.run(run())
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == GREEDY.max_tokens
+    assert async_llm.is_healthy
 
 
 def test_engine_thread_waits_at_most_a_fifth_of_a_millisecond_for_the_gil(async_llm):
