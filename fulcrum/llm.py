@@ -112,16 +112,19 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        params_list = self._params_per_prompt(sampling_params, len(conversations))
         prompts = []
-        for conversation in conversations:
+        for conversation, params in zip(conversations, params_list):
             conversation = [_template_message(m) for m in conversation]
             if not conversation:
                 raise ValueError("a conversation needs at least one message")
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
                                                  chat_template, **kwargs)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            # The engine's encode: a text no max_model_len could hold is refused untokenized
+            # (unless only its end is kept).
+            prompts.append({"prompt": text, "prompt_token_ids": self.llm_engine.encode(
+                text, False, params.truncate_prompt_tokens)})
+        return self.generate(prompts, params_list, use_tqdm)
 
     def _params_per_prompt(self, sampling_params, count: int) -> List[SamplingParams]:
         if sampling_params is None:

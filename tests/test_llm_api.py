@@ -288,6 +288,19 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
         llm.chat([[]], greedy(2), use_tqdm=False)
 
 
+def test_chat_refuses_a_conversation_too_long_to_tokenize_unless_its_end_is_kept(llm):
+    """As a text prompt is: tokenizing it whole took seconds and gigabytes."""
+    engine = llm.llm_engine
+    words = 2 * engine.config.max_model_len * engine.tokenizer.max_chars_per_token // 6 + 1
+    huge = [{"role": "user", "content": "hello " * words}]
+    with pytest.raises(ValueError, match="characters long"):
+        llm.chat(huge, greedy(1), use_tqdm=False)
+    kept = SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=7)
+    (output,) = llm.chat(huge, kept, use_tqdm=False)
+    assert len(output.prompt_token_ids) == 7
+    assert "<|im_start|>assistant\n".endswith(output.prompt)  # its last 7 tokens
+
+
 @pytest.mark.parametrize("message, error", [
     ({"content": "hi"}, "a chat message needs a role"),
     ({"role": "", "content": "hi"}, "a chat message needs a role"),

@@ -397,7 +397,9 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
                                           "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
         assert sandboxed.status_code == 400
         assert "unsafe" in sandboxed.json()["error"]["message"]
-        for template in ("{{ 1 / 0 }}", "{{ messages[99] }}"):  # Python's errors, not jinja's
+        recursive = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
+        # Python's errors, not jinja's
+        for template in ("{{ 1 / 0 }}", "{{ messages[99] }}", recursive):
             broken = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                            "chat_template": template})
             assert broken.status_code == 400, broken.text

@@ -130,6 +130,10 @@ def raw(case_id: str, path: str, body: bytes, words: Any = (), status: int = 400
                 chunked)
 
 
+def _tool(parameters: Dict[str, Any]) -> Dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 def user(content: Any) -> list:
     return [{"role": "user", "content": content}]
 
@@ -434,6 +438,14 @@ def _unicode_and_cost_cases() -> list:
                                                     {"enum": list(range(5001))}]}}),
         comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
              guided_choice=[f"c{i}" for i in range(10001)]),
+        # A tool's parameters become the grammar of "required" and named tool_choice: held
+        # to the structured-output limits, as guided_json is.
+        chat("tool-required-parameters-nested-70", ("tools", "64"), tool_choice="required",
+             tools=[_tool(_nested_schema(35))]),
+        chat("tool-named-parameters-enum-10001", ("tools", "10001"),
+             tools=[_tool({"type": "object", "properties": {
+                 "x": {"enum": list(range(10001))}}})],
+             tool_choice={"type": "function", "function": {"name": "f"}}),
         # Checked up front, these fail at their first step: the request's fault, not the
         # engine's (a 400, not a 500).
         comp("regex-matching-no-text", ("sampled", "constraints"), guided_regex=NO_TEXT),
@@ -519,6 +531,11 @@ BOUNDARY = [
                                          presence_penalty=-2, frequency_penalty=2,
                                          repetition_penalty=1e-3, min_tokens=2), 1),
     ("cache-salt", CHAT, dict(cache_salt="tenant-a"), 1),
+    # Arguments nested past Python's recursion limit reach the template as the text they are.
+    ("tool-call-arguments-nested-5000", CHAT, dict(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 5000}}]}]), 1),
     ("assistant-without-content", CHAT, dict(messages=[
         {"role": "user", "content": "Hi"}, {"role": "assistant"},
         {"role": "user", "content": [TEXT_PART]}]), 1),

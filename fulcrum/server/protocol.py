@@ -338,7 +338,7 @@ class ChatMessage(BaseModel):
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's limit: text, as any non-JSON
         return text
 
 

@@ -457,8 +457,12 @@ class OpenAIServing:
                                     "--tool-call-parser to be set", "tool_choice")
             return dataclasses.replace(params,
                                        skip_special_tokens=self.tool_parser.skip_special_tokens)
-        constraint = tool_calls.constraint(request.tool_dicts or [], request.forced_function,
-                                           request.parallel_tool_calls is not False)
+        try:
+            constraint = tool_calls.constraint(request.tool_dicts or [],
+                                               request.forced_function,
+                                               request.parallel_tool_calls is not False)
+        except ValueError as error:  # the tools' schemas past the structured-output limits
+            raise APIError(400, f"tools: {error}", "tools") from None
         if constraint is None:
             return params
         if params.structured_outputs is not None:
@@ -491,8 +495,8 @@ class OpenAIServing:
             token_ids = self.llm.engine.encode(text, False, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
-        except (ValueError, TypeError, ArithmeticError, LookupError,
-                jinja2.TemplateError) as error:  # a template's own errors ({{ 1/0 }}) too
+        except (ValueError, TypeError, ArithmeticError, LookupError, RecursionError,
+                MemoryError, jinja2.TemplateError) as error:  # a template's own ({{ 1/0 }})
             raise bad_request(error) from None
 
     # ------------------------------------------------------------- shared
