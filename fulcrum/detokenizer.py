@@ -7,26 +7,33 @@ difference once it no longer ends in an incomplete character (U+FFFD). Stop stri
 searched only in the region the new text can complete, and text that could still become the
 start of a stop string is held back from streaming until it cannot.
 
-The text is that of the output tokens on their own, as `tokenizer.decode(output_ids)` gives
-(and as HF transformers users see it): a SentencePiece tokenizer's leading space on the
-first output token is dropped, as its decoder does for any decoded sequence.
+The first output tokens are decoded after the prompt's last few (as vLLM's detokenizers do),
+so the text is what they add to the prompt: a SentencePiece tokenizer's decoder drops the
+leading space of a sequence's first token, which `tokenizer.decode(output_ids)` would lose
+("Once upon" + "a time"); here the completion keeps it (" a time"), as vLLM and OpenAI's
+completions give it.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.tokenizer import Tokenizer
 
+# Prompt tokens decoded before the first output ones: the fewest from 4 whose text is whole
+# characters (no U+FFFD at a cut through one), at most 24 (vLLM's rule).
+CONTEXT_TOKENS = (4, 24)
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        self.tokens: List[int] = []
+        self.tokens: List[int] = self._context(list(prompt_token_ids))
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.tokens)
         self.output_text = ""
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -45,6 +52,14 @@ class IncrementalDetokenizer:
         if not self.stop_strings or not check_stop:
             return None
         return self._find_stop(max(0, searched_from - self.hold_back))
+
+    def _context(self, prompt: List[int]) -> List[int]:
+        fewest, most = CONTEXT_TOKENS
+        for count in range(min(fewest, len(prompt)), min(most, len(prompt)) + 1):
+            if "\ufffd" not in self.tokenizer.decode(prompt[-count:],
+                                                      self.params.skip_special_tokens):
+                return prompt[-count:]
+        return prompt[-fewest:]
 
     def _decode_newest(self) -> str:
         skip = self.params.skip_special_tokens

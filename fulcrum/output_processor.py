@@ -69,7 +69,8 @@ class OutputProcessor:
             wants_logprobs = request.sampling_params.logprobs is not None
             parent.children.append(_Child(
                 index, request,
-                IncrementalDetokenizer(self.tokenizer, request.sampling_params),
+                IncrementalDetokenizer(self.tokenizer, request.sampling_params,
+                                       request.prompt_token_ids),
                 [] if wants_logprobs else None, 0.0 if wants_logprobs else None))
             self._children[request.request_id] = (parent, index)
         self._parents[request_id] = parent

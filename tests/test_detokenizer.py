@@ -189,3 +189,21 @@ def test_single_character_stop_needs_no_hold_back(tok):
     detok = IncrementalDetokenizer(tok, SamplingParams(stop=["!"]))
     detok.update(encode(tok, "hello"))
     assert detok.visible_text(finished=False) == "hello"
+
+
+@pytest.mark.parametrize("prompt, completion", [
+    ("Once upon", " a time there was a cat."),  # SentencePiece drops a first token's space
+    ("She said: héllo", " wörld 你好 🎉"),
+    ("🎉", "🎉 ü"),  # the prompt's last character is a whole emoji of several byte tokens
+])
+def test_a_completion_is_what_its_tokens_add_to_the_prompt(tok, prompt, completion):
+    """Decoded after the prompt's last tokens, as vLLM does: prompt + completion reads as the
+    whole text, where decoding the output alone loses the leading space of its first word."""
+    prompt_ids = tok.encode(prompt)  # with BOS where the tokenizer adds one
+    ids = encode(tok, prompt + completion)[len(encode(tok, prompt)):]
+    assert tok.decode(encode(tok, prompt) + ids) == prompt + completion  # a clean split
+    for chunk in (1, 3):
+        detok = IncrementalDetokenizer(tok, SamplingParams(), prompt_ids)
+        for i in range(0, len(ids), chunk):
+            detok.update(ids[i:i + chunk])
+        assert detok.output_text == completion

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from tokenizers import Tokenizer
 
 from fulcrum import LLM, SamplingParams
 from test_bad_input import assert_all_blocks_free
@@ -15,8 +16,19 @@ from test_bad_input import assert_all_blocks_free
 
 @pytest.fixture(scope="module")
 def cases(stories_dir):
+    """The reference's `greedy_text` is HF's decode of the output ids alone, which drops the
+    first token's leading space; a completion is what the tokens add to the prompt's text
+    (vLLM's and OpenAI's): `completion_text`, the same text where it starts with a space."""
     cases = json.loads((stories_dir / "greedy_reference.json").read_text())["cases"]
     assert len(cases) >= 3
+    tokenizer = Tokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    for case in cases:
+        prompt = tokenizer.decode(case["prompt_token_ids"])
+        whole = tokenizer.decode(case["prompt_token_ids"] + case["greedy_token_ids"])
+        assert whole.startswith(prompt)
+        case["completion_text"] = whole[len(prompt):]
+        assert case["completion_text"].removeprefix(" ") == case["greedy_text"]
+    assert any(c["completion_text"].startswith(" ") for c in cases)
     return cases
 
 
@@ -29,7 +41,7 @@ def assert_reproduces(output, case):
     assert output.prompt_token_ids == case["prompt_token_ids"]
     completion = output.outputs[0]
     assert completion.token_ids == case["greedy_token_ids"]
-    assert completion.text == case["greedy_text"]
+    assert completion.text == case["completion_text"]
     assert completion.finish_reason == "length"
 
 
