@@ -131,6 +131,9 @@ class LLM:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if isinstance(sampling_params, dict):  # list() would take its keys for params
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                            "a dict (SamplingParams(**it) makes one)")
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts")

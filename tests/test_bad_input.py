@@ -255,6 +255,15 @@ def test_cache_salt_must_be_a_non_empty_string(llm):
                          SamplingParams(max_tokens=1), use_tqdm=False)
 
 
+def test_sampling_params_of_the_wrong_shape_are_named(llm):
+    for given, message in [({"temperature": 0}, "got a dict"),
+                           (["x"], "got a list holding str"),
+                           ([SamplingParams()] * 2, "got 2 sampling_params for 1 prompts")]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            llm.generate(["a"], given, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_request_ids_must_be_non_empty_strings(llm):
     engine = llm.llm_engine
     for request_id in (7, "", b"id"):

@@ -81,6 +81,18 @@ def test_streamed_completion_equals_plain_one(client):
     assert len(chunks) - 1 == 4 * 8, "one chunk per generated token"
 
 
+def test_continuous_usage_stats_come_with_include_usage(client):
+    def usages(**options):
+        stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=3,
+                                           temperature=0.0, stream=True, extra_body=NO_EOS,
+                                           stream_options=options)
+        return [chunk.usage and chunk.usage.completion_tokens for chunk in stream]
+
+    assert usages(include_usage=True, continuous_usage_stats=True) == [1, 2, 3, 3]
+    assert usages(continuous_usage_stats=True) == [None, None, None]  # as in vLLM
+    assert usages(include_usage=True) == [None, None, None, 3]
+
+
 def test_stream_ends_with_done(server):
     body = {"prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:

@@ -168,9 +168,12 @@ def _framing_cases() -> list:
                 else valid.replace(b"Hi", b"\xc3\x28\xff")),
             # Python's json reads UTF-16 too; RFC 8259 (8.1) and issue 8 ask for UTF-8 only.
             raw("utf16-body", path, valid.decode().encode("utf-16")),
-            raw("wrong-content-type-text", path, valid, headers={"content-type": "text/plain"}),
+            raw("wrong-content-type-text", path, valid, ("JSON", "Content-Type"),
+                headers={"content-type": "text/plain"}),
             raw("wrong-content-type-form", path, b"prompt=x&max_tokens=2",
+                ("JSON", "Content-Type"),
                 headers={"content-type": "application/x-www-form-urlencoded"}),
+            raw("no-content-type", path, valid, ("JSON", "Content-Type"), headers={}),
             raw("json-array", path, b"[]", "object"),
             raw("deep-nesting-unclosed", path, DEEP_UNCLOSED),
             raw("deep-nesting-balanced", path, DEEP_BALANCED),

@@ -60,8 +60,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error)
 
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(bad_request(_validation_message(error)))
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        message = _validation_message(error)
+        if "json" not in request.headers.get("content-type", "").lower():
+            # FastAPI reads such a body as bytes, and pydantic's message says only that
+            # they are not an object.
+            message = f"send the body as JSON, with Content-Type: application/json ({message})"
+        return error_response(bad_request(message))
 
     async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, str(error)))

@@ -208,7 +208,8 @@ class SamplingRequest(RequestBody):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: asked with include_usage, as vLLM reads the two."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 PromptInput = Union[str, List[str], List[int], List[List[int]]]
