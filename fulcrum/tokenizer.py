@@ -41,6 +41,35 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+# The most items (characters, list entries) a template's `*` may make, and the most bits of a
+# `**`: a request's own template (--trust-request-chat-template) or a caller's cannot hold
+# the process up building {{ [0] * 10**9 }} (minutes and gigabytes, then a traceback that
+# quotes it).
+MAX_TEMPLATE_REPEAT = 1 << 20
+MAX_TEMPLATE_POWER_BITS = 1 << 16
+
+
+class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` checked before they run (jinja then never folds them
+    while compiling, either)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for count, items in ((left, right), (right, left)):
+                if isinstance(count, int) and hasattr(items, "__len__") \
+                        and count * len(items) > MAX_TEMPLATE_REPEAT:
+                    raise jinja2.exceptions.TemplateError(
+                        f"the chat template repeats {len(items)} items {count} times, more "
+                        f"than the {MAX_TEMPLATE_REPEAT} allowed")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and right * abs(left).bit_length() > MAX_TEMPLATE_POWER_BITS:
+            raise jinja2.exceptions.TemplateError(
+                f"the chat template raises {left} to the power {right}: too large a number")
+        return super().call_binop(context, operator, left, right)
+
+
 class Tokenizer:
     def __init__(self, path: str) -> None:
         folder = Path(path)
@@ -123,7 +152,7 @@ class Tokenizer:
         except OSError as error:
             raise ValueError(f"cannot read chat template {value!r}: {error}") from None
         try:
-            jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+            _TemplateEnvironment().parse(template)
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"chat template {value[:80]!r} does not compile: {error}") from None
         return template
@@ -135,8 +164,8 @@ class Tokenizer:
         if template is None:
             raise ValueError("this model has no chat template; pass chat_template= or use "
                              "generate() with a plain prompt")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
+        env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                   extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda obj, indent=None, **kw: json.dumps(
             obj, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = _raise_exception

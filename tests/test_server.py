@@ -410,11 +410,17 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
         assert sandboxed.status_code == 400
         assert "unsafe" in sandboxed.json()["error"]["message"]
         recursive = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
-        # Python's errors, not jinja's
-        for template in ("{{ 1 / 0 }}", "{{ messages[99] }}", recursive):
+        # Python's errors, not jinja's; values too large to build (minutes and gigabytes
+        # before, on the event loop)
+        for template in ("{{ 1 / 0 }}", "{{ messages[99] }}", recursive, "{{ [0] * 10**9 }}",
+                         "{{ 'ab' * 600000 }}", "{{ 7 ** 1000000 }}"):
             broken = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                            "chat_template": template})
             assert broken.status_code == 400, broken.text
+        fine = httpx.post(url, json={"messages": CHAT, "max_tokens": 1, "chat_template":
+                                     "{{ '-' * 3 }}{{ [1] * 2 }}{{ 2 ** 10 }}"})
+        assert fine.status_code == 200 and fine.json()["usage"]["prompt_tokens"] == len(
+            "---[1, 1]1024")
 
 
 def test_stream_events_stay_one_line_whatever_the_text():
