@@ -93,6 +93,28 @@ def test_continuous_usage_stats_come_with_include_usage(client):
     assert usages(include_usage=True) == [None, None, None, 3]
 
 
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(server):
+    url = server.url + "/v1/chat/completions"
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once up"}]
+    body = {"messages": history, "add_generation_prompt": False, "max_tokens": 4,
+            "temperature": 0.0, "ignore_eos": True}
+
+    def content(**fields):
+        reply = httpx.post(url, json={**body, **fields}).json()
+        return reply["choices"][0]["message"]["content"]
+
+    plain = content()
+    assert content(echo=True) == "Once up" + plain
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "Once up" + plain
+    # A new answer after the user's message continues nothing: nothing to echo.
+    fresh = {"messages": history[:1], "add_generation_prompt": True}
+    assert content(echo=True, **fresh) == content(**fresh)
+
+
 def test_stream_ends_with_done(server):
     body = {"prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:

@@ -350,6 +350,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's: the answer starts with the last message it continues
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=1024)
@@ -388,6 +389,16 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts before the answer: the last message's text where the answer
+        continues it (vLLM's rule: its role is the assistant's, or no generation prompt
+        starts a new message)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.template_dict()["content"]
 
     def unsupported(self) -> Optional[Tuple[str, str]]:
         if self.top_logprobs and not self.logprobs:

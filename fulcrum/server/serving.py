@@ -416,11 +416,15 @@ class OpenAIServing:
                 finish_reason=finish_reason, stop_reason=c.stop_reason)],
                 self._running_usage(request, generation))
 
+        echo = request.echo_text
+
         def message(c: _Choice) -> Tuple[ChatResponseMessage, Optional[str]]:
             stream = streams[c.index]
             if stream is None:
-                return ChatResponseMessage(content=c.text), c.finish_reason
+                return ChatResponseMessage(content=echo + c.text), c.finish_reason
             content, calls, were_calls = stream.whole(c.text)
+            if echo:
+                content = echo + (content or "")
             return (ChatResponseMessage(content=content, tool_calls=calls),
                     _tool_finish_reason(c.finish_reason, were_calls))
 
@@ -441,6 +445,9 @@ class OpenAIServing:
         roles = [chunk([ChatStreamChoice(index=c.index,
                                          delta=DeltaMessage(role="assistant", content=""))])
                  for c in generation.choices]
+        if echo:
+            roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))])
+                      for c in generation.choices]
         outputs = self._generate([prompt], params, request_id, request)
         return await self._respond(
             request, raw_request, generation, outputs, chunk=delta_chunk,
