@@ -115,6 +115,31 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(server):
     assert content(echo=True, **fresh) == content(**fresh)
 
 
+def test_logprobs_name_tokens_by_id_where_asked(server, llama_dir):
+    from fulcrum.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(llama_dir))
+    body = {"prompt": "the cat", "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 2}
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    by_id = httpx.post(server.url + "/v1/completions",
+                       json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in by_id["logprobs"]["tokens"]]
+    assert all(t.startswith("token_id:") for t in by_id["logprobs"]["tokens"])
+    assert tokenizer.decode(ids) == by_id["text"] == plain["text"]
+    assert by_id["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert by_id["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    for top in by_id["logprobs"]["top_logprobs"]:
+        assert len(top) >= 2 and all(k.startswith("token_id:") for k in top)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 2, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    for entry in chat["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:")
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert [t["token"][:9] for t in entry["top_logprobs"]] == ["token_id:"] * 2
+
+
 def test_stream_ends_with_done(server):
     body = {"prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -484,7 +509,7 @@ def test_masked_tokens_logprobs_are_numbers_in_json():
     from fulcrum.server.serving import _prompt_logprobs, _top_logprob
 
     masked = Logprob(float("-inf"), 7, "x")
-    assert json.loads(_top_logprob(masked).model_dump_json())["logprob"] == -9999.0
+    assert json.loads(_top_logprob(5, masked, False).model_dump_json())["logprob"] == -9999.0
     (entry,) = _prompt_logprobs([{5: masked}])
     assert entry[5].logprob == -9999.0
-    assert _top_logprob(Logprob(-1.5, 1, "y")).logprob == -1.5
+    assert _top_logprob(6, Logprob(-1.5, 1, "y"), False).logprob == -1.5

@@ -98,6 +98,9 @@ class SamplingRequest(RequestBody):
     stop_token_ids: Optional[List[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: logprobs name their tokens "token_id:N", for clients that need the exact ids
+    # (several tokens may decode to the same text).
+    return_tokens_as_token_ids: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared within a salt
     # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.

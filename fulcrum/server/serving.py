@@ -167,24 +167,35 @@ def _json_logprob(value: float) -> float:
     return max(value, -9999.0)
 
 
-def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str]) -> CompletionLogprobs:
-    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none)."""
+def _token_name(token_id: int, logprob: Optional[Logprob], as_id: bool,
+                decode: Callable[[int], str]) -> str:
+    """A token as logprobs show it: its text, or vLLM's "token_id:N" where asked."""
+    if as_id:
+        return f"token_id:{token_id}"
+    return (logprob.decoded_token or "") if logprob is not None else decode(token_id)
+
+
+def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
+                     as_ids: bool = False) -> CompletionLogprobs:
+    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none).
+    Text offsets count the tokens' text, whatever names them."""
     result = CompletionLogprobs()
     offset = delta.offset - sum(len(decode(t)) for t in delta.prompt_token_ids)
     entries = list(zip(delta.prompt_token_ids, delta.prompt_logprobs or
                        [None] * len(delta.prompt_token_ids)))
     for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
-        token = entry[token_id].decoded_token or "" if entry else decode(token_id)
-        result.tokens.append(token)
-        result.token_logprobs.append(_json_logprob(entry[token_id].logprob) if entry else None)
+        chosen = entry[token_id] if entry else None
+        result.tokens.append(_token_name(token_id, chosen, as_ids, decode))
+        result.token_logprobs.append(_json_logprob(chosen.logprob) if chosen else None)
         top: Optional[Dict[str, float]] = None
         if entry:
             top = {}
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens may decode alike
-                top.setdefault(lp.decoded_token or "", _json_logprob(lp.logprob))
+            # Tokens may decode alike: the likelier one keeps the text's key.
+            for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank):
+                top.setdefault(_token_name(tid, lp, as_ids, decode), _json_logprob(lp.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(max(offset, 0))
-        offset += len(token)
+        offset += len(_token_name(token_id, chosen, False, decode))
     return result
 
 
@@ -198,20 +209,20 @@ def _prompt_logprobs(entries: Optional[list]) -> Optional[list]:
                                     for t, lp in e.items()} for e in entries]
 
 
-def _top_logprob(logprob: Logprob) -> TopLogprob:
-    token = logprob.decoded_token or ""
+def _top_logprob(token_id: int, logprob: Logprob, as_id: bool) -> TopLogprob:
+    token = _token_name(token_id, logprob, as_id, str)
     return TopLogprob(token=token, logprob=_json_logprob(logprob.logprob),
                       bytes=list(token.encode()))
 
 
 def _chat_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
-                   num_top: int) -> ChatLogprobs:
+                   num_top: int, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries):
-        tops = sorted(entry.values(), key=lambda lp: lp.rank)[:num_top]
-        chosen = _top_logprob(entry[token_id])
-        content.append(TokenLogprob(**chosen.model_dump(),
-                                    top_logprobs=[_top_logprob(lp) for lp in tops]))
+        tops = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
+        chosen = _top_logprob(token_id, entry[token_id], as_ids)
+        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[
+            _top_logprob(tid, lp, as_ids) for tid, lp in tops]))
     return ChatLogprobs(content=content)
 
 
@@ -332,7 +343,7 @@ class OpenAIServing:
         def choice(c: _Choice, delta: _Delta) -> CompletionChoice:
             logprobs = None
             if request.logprobs is not None:
-                logprobs = _legacy_logprobs(delta, decode)
+                logprobs = _legacy_logprobs(delta, decode, request.return_tokens_as_token_ids)
             asked = request.prompt_logprobs is not None
             return CompletionChoice(
                 index=c.index, text=delta.text, logprobs=logprobs,
@@ -388,7 +399,8 @@ class OpenAIServing:
         def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
             if request.num_logprobs is None:
                 return None
-            return _chat_logprobs(delta.logprobs, delta.token_ids, request.num_logprobs)
+            return _chat_logprobs(delta.logprobs, delta.token_ids, request.num_logprobs,
+                                  request.return_tokens_as_token_ids)
 
         def chunk(choices: List[ChatStreamChoice], usage: Optional[UsageInfo] = None):
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
