@@ -105,10 +105,13 @@ class LLM:
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
-             tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
+             tools: Optional[List[Dict[str, Any]]] = None,
+             continue_final_message: bool = False) -> List[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
         `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`), and so do
-        `tools` (OpenAI's function definitions, as vLLM's `LLM.chat` takes them)."""
+        `tools` (OpenAI's function definitions, as vLLM's `LLM.chat` takes them).
+        `continue_final_message`: the last message stays open and the answer continues it
+        (with add_generation_prompt=False, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
@@ -119,7 +122,8 @@ class LLM:
             if not conversation:
                 raise ValueError("a conversation needs at least one message")
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 chat_template, **kwargs)
+                                                 chat_template, continue_final_message,
+                                                 **kwargs)
             # The engine's encode: a text no max_model_len could hold is refused untokenized
             # (unless only its end is kept).
             prompts.append({"prompt": text, "prompt_token_ids": self.llm_engine.encode(

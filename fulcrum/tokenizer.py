@@ -70,6 +70,18 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+def _cut_after(text: str, final: str) -> str:
+    """`text` up to the end of its last `final` (HF's rule: templates may strip the message's
+    surrounding spaces, so the stripped text is looked for)."""
+    stripped = final.strip()
+    at = text.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise ValueError("continue_final_message is set, but the final message's text does "
+                         "not appear in the rendered chat template")
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(stripped))]
+
+
 class Tokenizer:
     def __init__(self, path: str) -> None:
         folder = Path(path)
@@ -159,11 +171,24 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: List[Dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None, **kwargs: Any) -> str:
+                            chat_template: Optional[str] = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The conversation as the template renders it. `continue_final_message` (HF's and
+        vLLM's): the text ends with the last message's own, not closed, so the model goes
+        on with that message (a prefilled answer) rather than starting a new one."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this model has no chat template; pass chat_template= or use "
                              "generate() with a plain prompt")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        text = self._render(template, messages, add_generation_prompt, **kwargs)
+        return _cut_after(text, messages[-1].get("content") or "") if continue_final_message \
+            else text
+
+    def _render(self, template: str, messages: List[Dict[str, Any]],
+                add_generation_prompt: bool, **kwargs: Any) -> str:
         env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
                                    extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda obj, indent=None, **kw: json.dumps(

@@ -288,6 +288,25 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
         llm.chat([[]], greedy(2), use_tqdm=False)
 
 
+def test_chat_continues_the_final_message_where_asked(llm):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Once up "}]
+    (closed,) = llm.chat(history, greedy(1), use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt.endswith(" Once up <|im_end|>\n")
+    (open_,) = llm.chat(history, greedy(1), use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)
+    assert open_.prompt == closed.prompt[:closed.prompt.rindex("<|im_end|>")]
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(llm.llm_engine.config.model)
+    assert open_.prompt == hf.apply_chat_template(history, tokenize=False,
+                                                  continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(history, greedy(1), use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not appear in the rendered chat template"):
+        llm.chat(history, greedy(1), use_tqdm=False, add_generation_prompt=False,
+                 continue_final_message=True, chat_template="{{ messages[0]['content'] }}")
+
+
 def test_chat_refuses_a_conversation_too_long_to_tokenize_unless_its_end_is_kept(llm):
     """As a text prompt is: tokenizing it whole took seconds and gigabytes."""
     engine = llm.llm_engine

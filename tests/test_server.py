@@ -113,6 +113,16 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(server):
     # A new answer after the user's message continues nothing: nothing to echo.
     fresh = {"messages": history[:1], "add_generation_prompt": True}
     assert content(echo=True, **fresh) == content(**fresh)
+    # continue_final_message leaves the message open: the prompt ends with its text.
+    tokens = {flag: httpx.post(server.url + "/tokenize", json={
+        "messages": history, "add_generation_prompt": False,
+        "continue_final_message": flag}).json()["count"] for flag in (False, True)}
+    assert tokens[False] - tokens[True] == 2  # "<|im_end|>" (a special token) and "\n"
+    opened = httpx.post(url, json={**body, "continue_final_message": True, "echo": True})
+    assert opened.json()["choices"][0]["message"]["content"].startswith("Once up")
+    both = httpx.post(url, json={**body, "continue_final_message": True,
+                                 "add_generation_prompt": True})
+    assert both.status_code == 400 and "cannot both be true" in both.text
 
 
 def test_logprobs_name_tokens_by_id_where_asked(server, llama_dir):

@@ -353,6 +353,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's and HF's: the last message stays open, and the answer continues it.
+    continue_final_message: bool = False
     echo: bool = False  # vLLM's: the answer starts with the last message it continues
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
@@ -422,6 +424,7 @@ class TokenizeRequest(RequestBody):
     tools: Optional[List[ToolDefinition]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(RequestBody):

@@ -389,7 +389,8 @@ class OpenAIServing:
                                 "--trust-request-chat-template to allow it", "chat_template")
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
                                   request.chat_template, request.chat_template_kwargs,
-                                  request.tool_dicts, params.truncate_prompt_tokens)
+                                  request.tool_dicts, params.truncate_prompt_tokens,
+                                  request.continue_final_message)
         self._check([prompt], params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _Generation([prompt], request.n)
@@ -500,7 +501,8 @@ class OpenAIServing:
                     chat_template: Optional[str] = None,
                     template_kwargs: Optional[Dict[str, Any]] = None,
                     tools: Optional[List[Dict[str, Any]]] = None,
-                    truncate: Optional[int] = None) -> EnginePrompt:
+                    truncate: Optional[int] = None,
+                    continue_final_message: bool = False) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template (its last
         `truncate` tokens, if given)."""
         tokenizer = self.llm.tokenizer
@@ -510,7 +512,8 @@ class OpenAIServing:
         try:
             text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
                                                  add_generation_prompt,
-                                                 chat_template or self.chat_template, **kwargs)
+                                                 chat_template or self.chat_template,
+                                                 continue_final_message, **kwargs)
             token_ids = self.llm.engine.encode(text, False, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
