@@ -441,6 +441,13 @@ def _unicode_and_cost_cases() -> list:
                                                     {"enum": list(range(5001))}]}}),
         comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
              guided_choice=[f"c{i}" for i in range(10001)]),
+        # vLLM's fields fulcrum does not serve, where they would change the answer.
+        comp("use-beam-search", ("use_beam_search", "beam"), use_beam_search=True),
+        comp("length-penalty", "length_penalty", length_penalty=0.5),
+        chat("logits-processors", "logits_processors", logits_processors=["my.module:F"]),
+        chat("documents", "documents", documents=[{"title": "a", "text": "b"}]),
+        comp("kv-transfer-params", "kv_transfer_params",
+             kv_transfer_params={"do_remote_decode": True}),
         # A tool's parameters become the grammar of "required" and named tool_choice: held
         # to the structured-output limits, as guided_json is.
         chat("tool-required-parameters-nested-70", ("tools", "64"), tool_choice="required",
@@ -534,6 +541,9 @@ BOUNDARY = [
                                          presence_penalty=-2, frequency_penalty=2,
                                          repetition_penalty=1e-3, min_tokens=2), 1),
     ("cache-salt", CHAT, dict(cache_salt="tenant-a"), 1),
+    ("vllm-fields-at-values-that-change-nothing", COMPLETIONS, dict(
+        use_beam_search=False, length_penalty=1.0, logits_processors=[], documents=[],
+        kv_transfer_params=None), 1),
     # Arguments nested past Python's recursion limit reach the template as the text they are.
     ("tool-call-arguments-nested-5000", CHAT, dict(messages=[
         {"role": "user", "content": "Hi"},

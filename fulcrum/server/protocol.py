@@ -72,6 +72,17 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# vLLM's request fields that fulcrum does not serve and whose values would change the answer:
+# (values that change nothing, what the field is for). Other unknown fields are logged only.
+UNSERVED_VLLM_FIELDS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search"),
+    "length_penalty": ((1, 1.0), "beam search's length penalty"),
+    "logits_processors": (([],), "custom logits processors"),
+    "documents": (([],), "documents for a retrieval template"),
+    "kv_transfer_params": (({},), "disaggregated prefill's KV transfer"),
+}
+
+
 class SamplingRequest(RequestBody):
     """Fields that completions and chat completions share, vLLM's extras included."""
 
@@ -123,6 +134,11 @@ class SamplingRequest(RequestBody):
 
     def unsupported(self) -> Optional[Tuple[str, str]]:
         """(field, why) when this request cannot be served as asked."""
+        for name, (neutral, what) in UNSERVED_VLLM_FIELDS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value not in neutral:
+                return name, (f"{name} is not supported ({what}): refused rather than "
+                              "answered without it")
         if self.guided_whitespace_pattern is not None:
             return "guided_whitespace_pattern", ("guided_whitespace_pattern is not supported; "
                                                  "structured_outputs.disable_any_whitespace is")
