@@ -16,7 +16,7 @@ completions give it.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.tokenizer import Tokenizer
@@ -24,6 +24,9 @@ from fulcrum.tokenizer import Tokenizer
 # Prompt tokens decoded before the first output ones: the fewest from 4 whose text is whole
 # characters (no U+FFFD at a cut through one), at most 24 (vLLM's rule).
 CONTEXT_TOKENS = (4, 24)
+# The most tokens a prompt may end with that are the start of a character still incomplete
+# (a 4-byte UTF-8 character's first 3 bytes): its output completes it.
+MAX_PARTIAL_TOKENS = 3
 
 
 class IncrementalDetokenizer:
@@ -31,9 +34,8 @@ class IncrementalDetokenizer:
                  prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        self.tokens: List[int] = self._context(list(prompt_token_ids))
+        self.tokens, self.read_offset = self._context(list(prompt_token_ids))
         self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
         self.output_text = ""
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -53,13 +55,19 @@ class IncrementalDetokenizer:
             return None
         return self._find_stop(max(0, searched_from - self.hold_back))
 
-    def _context(self, prompt: List[int]) -> List[int]:
+    def _context(self, prompt: List[int]) -> Tuple[List[int], int]:
+        """(prompt tokens to decode the output after, how many of them count as text already
+        read): whole characters, then the start of one the prompt leaves incomplete, which
+        the output's text then includes once complete. ([], 0) where no such context is
+        found: the output is decoded on its own."""
         fewest, most = CONTEXT_TOKENS
-        for count in range(min(fewest, len(prompt)), min(most, len(prompt)) + 1):
-            if "\ufffd" not in self.tokenizer.decode(prompt[-count:],
-                                                      self.params.skip_special_tokens):
-                return prompt[-count:]
-        return prompt[-fewest:]
+        for partial in range(min(MAX_PARTIAL_TOKENS, len(prompt) - 1) + 1):
+            whole = prompt[:len(prompt) - partial]
+            for count in range(min(fewest, len(whole)), min(most, len(whole)) + 1):
+                if "\ufffd" not in self.tokenizer.decode(whole[-count:],
+                                                          self.params.skip_special_tokens):
+                    return whole[-count:] + prompt[len(whole):], count
+        return [], 0
 
     def _decode_newest(self) -> str:
         skip = self.params.skip_special_tokens

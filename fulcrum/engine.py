@@ -7,6 +7,7 @@ scheduler bookkeeping -> output processor -> caller.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import dataclasses
 import itertools

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import jinja2
 import jinja2.sandbox
@@ -51,7 +51,8 @@ MAX_TEMPLATE_POWER_BITS = 1 << 16
 
 class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """The sandbox, with `*` and `**` checked before they run (jinja then never folds them
-    while compiling, either)."""
+    while compiling, either), and calls' counts. Not bounded: widths inside format strings
+    and filters ({{ 'a' | center(10**9) }}); loops (the sandbox caps a range at 100,000)."""
 
     intercepted_binops = frozenset({"*", "**"})
 
@@ -69,17 +70,34 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
                 f"the chat template raises {left} to the power {right}: too large a number")
         return super().call_binop(context, operator, left, right)
 
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calls with a count past the bound ("a".ljust(10**9), "a".center(...)) refused."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and abs(value) > MAX_TEMPLATE_REPEAT:
+                raise jinja2.exceptions.TemplateError(
+                    f"the chat template calls {getattr(__obj, '__name__', 'a function')} with "
+                    f"{value}, more than the {MAX_TEMPLATE_REPEAT} allowed")
+        return super().call(__context, __obj, *args, **kwargs)
 
-def _cut_after(text: str, final: str) -> str:
-    """`text` up to the end of its last `final` (HF's rule: templates may strip the message's
-    surrounding spaces, so the stripped text is looked for)."""
-    stripped = final.strip()
-    at = text.rfind(stripped) if stripped else -1
-    if at < 0:
+
+# transformers' marker for continue_final_message: appended to the final message, looked for
+# in the rendered chat, cut there.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _open_final_message(render: Callable[[List[Dict[str, Any]]], str],
+                        messages: List[Dict[str, Any]]) -> str:
+    """The chat rendered up to the end of its final message's text, as transformers does it:
+    the text tagged, rendered, cut at the tag (and the spaces a template trimmed, trimmed)."""
+    final = messages[-1].get("content")
+    if final is None:
+        raise ValueError("continue_final_message is set, but the final message has no content")
+    text = render([*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}])
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
         raise ValueError("continue_final_message is set, but the final message's text does "
                          "not appear in the rendered chat template")
-    kept = final.lstrip()
-    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(stripped))]
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 class Tokenizer:
@@ -183,9 +201,11 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true")
-        text = self._render(template, messages, add_generation_prompt, **kwargs)
-        return _cut_after(text, messages[-1].get("content") or "") if continue_final_message \
-            else text
+        def render(conversation: List[Dict[str, Any]]) -> str:
+            return self._render(template, conversation, add_generation_prompt, **kwargs)
+
+        return _open_final_message(render, messages) if continue_final_message \
+            else render(messages)
 
     def _render(self, template: str, messages: List[Dict[str, Any]],
                 add_generation_prompt: bool, **kwargs: Any) -> str:

@@ -207,3 +207,18 @@ def test_a_completion_is_what_its_tokens_add_to_the_prompt(tok, prompt, completi
         for i in range(0, len(ids), chunk):
             detok.update(ids[i:i + chunk])
         assert detok.output_text == completion
+
+
+def test_a_prompt_that_ends_inside_a_character_lets_the_output_complete_it(stories_tok):
+    """Token ids may cut a character (a client resuming a generation): the output's text
+    starts with that character once complete, and loses none of its own."""
+    prompt = stories_tok.encode("Once")
+    rest = encode(stories_tok, "Hello 你好 world")  # byte-fallback: 3 tokens per character
+    assert [stories_tok.decode([t]) for t in rest[4:10]] == ["\ufffd"] * 6
+    expected = {3: " 你好 world", 4: "你好 world", 5: "你好 world", 6: "你好 world",
+                7: "好 world", 8: "好 world", 9: "好 world", 10: " world", 11: "orld"}
+    for cut, text in expected.items():
+        detok = IncrementalDetokenizer(stories_tok, SamplingParams(), prompt + rest[:cut])
+        for token_id in rest[cut:]:
+            detok.update([token_id])
+        assert detok.output_text == text, cut

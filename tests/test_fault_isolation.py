@@ -86,9 +86,13 @@ def test_a_request_that_rules_out_every_token_fails_alone(llm, temperature):
     has a finite logit. Greedy argmax would pick a masked token and sampling one past the
     vocabulary, which failed the next forward pass and with it every request of the step."""
     expected = reference(llm)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    (alone,) = llm.generate([{"prompt_token_ids": [9, 8, 7]}], seeded, use_tqdm=False)
     engine = llm.llm_engine
     for request_id, prompt in PROMPTS.items():
         engine.add_request(request_id, {"prompt_token_ids": prompt}, greedy())
+    # A seeded request beside it keeps its tokens: the batch is not drawn twice.
+    engine.add_request("seeded", {"prompt_token_ids": [9, 8, 7]}, seeded)
     engine.add_request(POISON, {"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(
         temperature=temperature, max_tokens=4, seed=0,
         structured_outputs=StructuredOutputsParams(regex="[^\\s\\S]")))
@@ -99,7 +103,7 @@ def test_a_request_that_rules_out_every_token_fails_alone(llm, temperature):
     assert "no token can be sampled" in failed.error
     assert [c.finish_reason for c in failed.outputs] == ["error"]
     assert failed.outputs[0].token_ids == []
-    for request_id, tokens in expected.items():
+    for request_id, tokens in {**expected, "seeded": alone.outputs[0].token_ids}.items():
         assert final[request_id].error is None
         assert final[request_id].outputs[0].token_ids == tokens
 

@@ -464,26 +464,52 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
 # ------------------------------------------------------------ nothing to sample
 def test_a_row_with_nothing_to_sample_is_the_requests_fault_unless_the_model_is():
     from fulcrum.outputs import RequestFault
-    from fulcrum.worker.sampler import NothingToSample
+    from fulcrum.worker.sampler import RowsFailed
 
-    sampler = Sampler(0, CPU)
-    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    def failure(logits, row_):
+        with pytest.raises(RowsFailed) as caught:
+            Sampler(0, CPU)(logits, [row_])
+        return caught.value.failures[0]
+
     for params in (dict(temperature=0.0), dict(temperature=1.0, seed=1)):
         # Every token ruled out by the request's own controls: a RequestFault.
         constrained = row("x", allowed_token_ids=[2], **params)
         constrained.bad_words_token_ids = [[2]]
-        with pytest.raises(NothingToSample) as caught:
-            sampler(logits.clone(), [constrained])
-        assert isinstance(caught.value.args[0], RequestFault)
-        assert "request x: no token can be sampled" in caught.value.args[0]
+        why = failure(torch.tensor([[1.0, 2.0, 3.0]]), constrained)
+        assert isinstance(why, RequestFault) and "request x: no token can be sampled" in why
         # NaN from the model itself, under a request's penalties: the engine's fault.
-        with pytest.raises(ValueError, match="request y: the model's logits are NaN") as caught:
-            sampler(torch.tensor([[1.0, math.nan, 3.0]]),
-                    [row("y", prompt=[1], presence_penalty=1.0, **params)])
-        assert not isinstance(caught.value, NothingToSample)
-    # A sampled (not greedy) row of untouched NaN logits lands outside the vocabulary.
-    with pytest.raises(ValueError, match="the model's logits are NaN"):
-        sampler(torch.full((1, 3), math.nan), [row("z", temperature=1.0, seed=1)])
-    # Unchanged logits rule nothing out: a greedy -inf row still takes its argmax.
+        why = failure(torch.tensor([[1.0, math.nan, 3.0]]),
+                      row("y", prompt=[1], presence_penalty=1.0, **params))
+        assert why == "request y: the model's logits are not finite"
+        assert not isinstance(why, RequestFault)
+    # A sampled (not greedy) row of untouched NaN or +inf logits lands outside the vocabulary.
+    for bad in (torch.full((1, 3), math.nan), torch.tensor([[0.0, math.inf, 1.0]])):
+        why = failure(bad, row("z", temperature=1.0, seed=1))
+        assert why == "request z: the model's logits are not finite"
+    # Unchanged logits rule nothing out: a greedy row takes its argmax, as torch.argmax and
+    # vLLM would (a NaN's index included).
+    sampler = Sampler(0, CPU)
+    assert sampler(torch.tensor([[1.0, math.nan]]), [row(temperature=0.0)])[0].token_id == 1
     assert sampler(torch.tensor([[-math.inf, -math.inf]]), [row(temperature=0.0)])[
         0].token_id in (0, 1)
+
+
+def test_a_row_with_nothing_to_sample_leaves_the_seeded_rows_beside_it_alone():
+    """The other rows keep the tokens of the batch's one draw: drawing them again would move
+    a seeded request's generator on and change its output."""
+    def batch(with_bad_row: bool):
+        rows = [row(f"s{i}", temperature=1.0, seed=i) for i in range(3)]
+        logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(7))
+        if with_bad_row:
+            rows[1] = row("bad", temperature=1.0, seed=1, allowed_token_ids=[4])
+            rows[1].bad_words_token_ids = [[4]]
+        try:
+            return [t.token_id for t in Sampler(0, CPU)(logits, rows)]
+        except RowsFailed as error:
+            assert list(error.failures) == [1]
+            return [t and t.token_id for t in error.sampled]
+
+    from fulcrum.worker.sampler import RowsFailed
+
+    alone, beside = batch(False), batch(True)
+    assert beside[1] is None and [beside[0], beside[2]] == [alone[0], alone[2]]

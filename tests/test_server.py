@@ -470,7 +470,7 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
         # Python's errors, not jinja's; values too large to build (minutes and gigabytes
         # before, on the event loop)
         for template in ("{{ 1 / 0 }}", "{{ messages[99] }}", recursive, "{{ [0] * 10**9 }}",
-                         "{{ 'ab' * 600000 }}", "{{ 7 ** 1000000 }}"):
+                         "{{ 'ab' * 600000 }}", "{{ 7 ** 1000000 }}", "{{ 'a'.ljust(10**9) }}"):
             broken = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                            "chat_template": template})
             assert broken.status_code == 400, broken.text

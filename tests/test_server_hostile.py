@@ -443,7 +443,6 @@ def _unicode_and_cost_cases() -> list:
              guided_choice=[f"c{i}" for i in range(10001)]),
         # vLLM's fields fulcrum does not serve, where they would change the answer.
         comp("use-beam-search", ("use_beam_search", "beam"), use_beam_search=True),
-        comp("length-penalty", "length_penalty", length_penalty=0.5),
         chat("logits-processors", "logits_processors", logits_processors=["my.module:F"]),
         chat("documents", "documents", documents=[{"title": "a", "text": "b"}]),
         comp("kv-transfer-params", "kv_transfer_params",
@@ -541,8 +540,9 @@ BOUNDARY = [
                                          presence_penalty=-2, frequency_penalty=2,
                                          repetition_penalty=1e-3, min_tokens=2), 1),
     ("cache-salt", CHAT, dict(cache_salt="tenant-a"), 1),
+    # (length_penalty: beam search's, which vLLM ignores without it, as fulcrum does)
     ("vllm-fields-at-values-that-change-nothing", COMPLETIONS, dict(
-        use_beam_search=False, length_penalty=1.0, logits_processors=[], documents=[],
+        use_beam_search=False, length_penalty=0.5, logits_processors=[], documents=[],
         kv_transfer_params=None), 1),
     # Arguments nested past Python's recursion limit reach the template as the text they are.
     ("tool-call-arguments-nested-5000", CHAT, dict(messages=[

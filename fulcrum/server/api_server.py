@@ -62,9 +62,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         message = _validation_message(error)
-        if "json" not in request.headers.get("content-type", "").lower():
-            # FastAPI reads such a body as bytes, and pydantic's message says only that
-            # they are not an object.
+        whole_body = any(tuple(problem.get("loc", ())) == ("body",) for problem in error.errors())
+        if whole_body and "json" not in request.headers.get("content-type", "").lower():
+            # FastAPI read the body as bytes, and pydantic's message says only that they
+            # are not an object.
             message = f"send the body as JSON, with Content-Type: application/json ({message})"
         return error_response(bad_request(message))
 

@@ -76,7 +76,6 @@ DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # (values that change nothing, what the field is for). Other unknown fields are logged only.
 UNSERVED_VLLM_FIELDS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search"),
-    "length_penalty": ((1, 1.0), "beam search's length penalty"),
     "logits_processors": (([],), "custom logits processors"),
     "documents": (([],), "documents for a retrieval template"),
     "kv_transfer_params": (({},), "disaggregated prefill's KV transfer"),

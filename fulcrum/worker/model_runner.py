@@ -25,7 +25,7 @@ from fulcrum.worker.kv_cache import NULL_BLOCK
 from fulcrum.models.layers import DecoderForCausalLM, KVCache
 from fulcrum.core.request import SamplingRow
 from fulcrum.outputs import Logprob, SampledToken
-from fulcrum.worker.sampler import NothingToSample, Sampler, logprob_entries
+from fulcrum.worker.sampler import RowsFailed, Sampler, logprob_entries
 from fulcrum.core.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -181,20 +181,22 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, argmax: Optional[torch.Tensor],
                 rows: List[SamplingRow]) -> Tuple[Dict[str, SampledToken], Dict[str, str]]:
-        """Sample the batch at once; if that fails, row by row, so one bad row fails alone."""
+        """Sample the batch at once; rows with nothing to sample fail alone, the others keep
+        their tokens. Any other failure: row by row, so one bad row fails alone."""
         try:
             return {row.request_id: t
                     for row, t in zip(rows, self.sampler(logits, rows, argmax))}, {}
-        except NothingToSample:
-            pass  # a request's own constraints; found again below, row by row
+        except RowsFailed as error:
+            return ({row.request_id: t for row, t in zip(rows, error.sampled) if t is not None},
+                    {rows[i].request_id: why for i, why in error.failures.items()})
         except Exception:  # noqa: BLE001 - isolated below, row by row
             logger.exception("sampling the batch failed; sampling its rows one by one")
         sampled, failed = {}, {}
         for i, row in enumerate(rows):
             try:
                 sampled[row.request_id] = self.sampler(logits[i:i + 1], [row])[0]
-            except NothingToSample as error:
-                failed[row.request_id] = error.args[0]
+            except RowsFailed as error:
+                failed[row.request_id] = error.failures[0]
             except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 failed[row.request_id] = f"sampling failed: {error!r}"
         return sampled, failed

@@ -21,9 +21,15 @@ from fulcrum.core.request import SamplingRow
 from fulcrum.outputs import Logprob, RequestFault, SampledToken
 
 
-class NothingToSample(ValueError):
-    """A row's constraints and penalties rule out every token; its one argument is the
-    RequestFault its request fails with."""
+class RowsFailed(ValueError):
+    """Rows that had nothing to sample. `failures` maps a row's index to why (a RequestFault
+    where the request's own constraints ruled out every token); `sampled` holds the other
+    rows' tokens (None for the failed), so that they are not drawn again: a seeded request's
+    generator has moved on, and a second draw would change its output."""
+
+    def __init__(self, failures: Dict[int, str], sampled: List[Optional[SampledToken]]):
+        super().__init__("; ".join(failures.values()))
+        self.failures, self.sampled = failures, sampled
 
 
 class Sampler:
@@ -63,37 +69,39 @@ class Sampler:
                 index = torch.tensor(random_rows, device=logits.device)
                 tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
         token_list = tokens.tolist()
-        self._check_chosen(given, logits if masked or logits is not given else None, tokens,
-                           token_list, rows)
-        return [SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
-                for i, (t, r) in enumerate(zip(token_list, rows))]
+        failures = self._check_chosen(given, logits if masked or logits is not given else None,
+                                      tokens, token_list, rows)
+        sampled = [None if i in failures else
+                   SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
+                   for i, (t, r) in enumerate(zip(token_list, rows))]
+        if failures:
+            raise RowsFailed(failures, sampled)
+        return sampled
 
     @staticmethod
     def _check_chosen(given: torch.Tensor, changed: Optional[torch.Tensor],
                       tokens: torch.Tensor, token_list: List[int],
-                      rows: List[SamplingRow]) -> None:
-        """Raise if a row chose a token its logits rule out: one whose constraints exclude
-        every token (a grammar that no text matches, allowed_token_ids all in bad_words), or
+                      rows: List[SamplingRow]) -> Dict[int, str]:
+        """The rows that chose a token their logits rule out, and why: a row whose constraints
+        exclude every token (a grammar that no text matches, allowed_token_ids all in
+        bad_words), or
         whose penalty overflowed its logits to inf or NaN, has nothing to sample; argmax then
         picks a masked token, and the inverse CDF of NaN weights one past the vocabulary,
         which the next forward pass, shared by the whole batch, would fail on.
 
         `changed`: the logits after masks and penalties, None where nothing changed them;
         then no token is ruled out and only the range is checked (each torch op on the
-        cache-cold path after a batch-1 forward costs ~25-100 µs)."""
+        cache-cold path after a batch-1 forward costs ~25-100 µs): a greedy row then takes
+        its argmax as torch.argmax would, a NaN included, as vLLM does.
+
+        The failure is the request's (a RequestFault) unless the model's own logits for the
+        row hold a NaN or +inf (masks only add -inf)."""
         vocab = given.shape[-1]
-        bad = [i for i, t in enumerate(token_list) if not 0 <= t < vocab]
-        if not bad and changed is not None:
-            chosen = changed.gather(1, tokens.view(-1, 1)).view(-1).tolist()
-            bad = [i for i, value in enumerate(chosen) if not math.isfinite(value)]
-        if not bad:
-            return
-        row = rows[bad[0]]
-        if bool(torch.isnan(given[bad[0]]).any()):
-            raise ValueError(f"request {row.request_id}: the model's logits are NaN")
-        raise NothingToSample(RequestFault(
-            f"request {row.request_id}: no token can be sampled: its constraints and "
-            "penalties leave none with a finite logit"))
+        bad = {i for i, t in enumerate(token_list) if not 0 <= t < vocab}
+        if changed is not None:
+            chosen = changed.gather(1, tokens.clamp(0, vocab - 1).view(-1, 1)).view(-1).tolist()
+            bad |= {i for i, value in enumerate(chosen) if not math.isfinite(value)}
+        return {i: _why_nothing(given[i], rows[i].request_id) for i in sorted(bad)}
 
     # ------------------------------------------------------- token controls
     @staticmethod
@@ -203,6 +211,15 @@ class Sampler:
         if num_top is None or raw is None:
             return None
         return logprob_entries(raw[row:row + 1], [token], num_top)[0]
+
+
+def _why_nothing(logits: torch.Tensor, request_id: str) -> str:
+    """The engine's fault where the model's own logits hold a NaN or +inf (masks only add
+    -inf), else the request's."""
+    if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+        return f"request {request_id}: the model's logits are not finite"
+    return RequestFault(f"request {request_id}: no token can be sampled: its constraints "
+                        "and penalties leave none with a finite logit")
 
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
