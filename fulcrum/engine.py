@@ -268,7 +268,8 @@ class LLMEngine:
                 raise ValueError(f"the prompt is {len(text)} characters long: more than "
                                  f"{self.config.max_model_len} tokens (the maximum model "
                                  "length) can hold; truncate_prompt_tokens keeps its end")
-            text = text[-chars * self._kept_tokens(keep):]
+            # More than max_model_len kept tokens could not run anyway: no more is read.
+            text = text[-chars * min(self._kept_tokens(keep), self.config.max_model_len):]
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _kept_tokens(self, keep: int) -> int:

@@ -198,6 +198,17 @@ def test_truncate_prompt_tokens_takes_a_text_past_the_length_guard(llm):
         assert greedy(llm, text, truncate_prompt_tokens=keep).prompt_token_ids == full[-keep:]
     with pytest.raises(ValueError, match="but 512 prompt tokens"):  # -1 keeps 512: no room
         greedy(llm, text, truncate_prompt_tokens=-1)
+    # Keeping more than max_model_len reads no more of the text than max_model_len does.
+    huge = text * 200
+    tokenized = []
+    original = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda t, *a: tokenized.append(len(t)) or original(t, *a)
+    try:
+        with pytest.raises(ValueError, match="more than the maximum model length of 512"):
+            greedy(llm, huge, truncate_prompt_tokens=10**9)
+    finally:
+        engine.tokenizer.encode = original
+    assert tokenized == [guard]
 
 
 # ------------------------------------------------------------------ server
