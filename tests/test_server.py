@@ -150,6 +150,46 @@ def test_logprobs_name_tokens_by_id_where_asked(server, llama_dir):
         assert [t["token"][:9] for t in entry["top_logprobs"]] == ["token_id:"] * 2
 
 
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server, llama_dir):
+    from fulcrum.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(llama_dir))
+    body = {"prompt": ["the cat", "a dog"], "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True, "n": 2, "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/completions", json={
+        **body, "logprobs": 0, "return_tokens_as_token_ids": True}).json()["choices"]
+    for c in whole:
+        prompt = body["prompt"][c["index"] // 2]
+        assert c["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert [f"token_id:{t}" for t in c["token_ids"]] == c["logprobs"]["tokens"]
+        assert len(c["token_ids"]) == 4
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    for c in whole:
+        mine = [k for k in chunks if k["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+        assert all(k["prompt_token_ids"] is None for k in mine[1:])
+        assert sum((k["token_ids"] for k in mine), []) == c["token_ids"]
+    plain = httpx.post(server.url + "/v1/completions",
+                       json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat).json()
+    assert reply["prompt_token_ids"] == httpx.post(server.url + "/tokenize", json={
+        "messages": chat["messages"]}).json()["tokens"]
+    assert len(reply["choices"][0]["token_ids"]) == 3
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={**chat, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    assert sum((e["choices"][0]["token_ids"] or [] for e in events[1:]), []) == \
+        reply["choices"][0]["token_ids"]
+
+
 def test_stream_ends_with_done(server):
     body = {"prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:

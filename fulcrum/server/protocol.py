@@ -111,6 +111,8 @@ class SamplingRequest(RequestBody):
     # vLLM's: logprobs name their tokens "token_id:N", for clients that need the exact ids
     # (several tokens may decode to the same text).
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared within a salt
     # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.
@@ -479,6 +481,7 @@ class _Choice(BaseModel):
     index: int
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None  # vLLM's: the stop string or token that ended it
+    token_ids: Optional[List[int]] = None  # with return_token_ids (in a stream: the new ones)
 
 
 class _Response(BaseModel):
@@ -504,6 +507,7 @@ class CompletionChoice(_Choice):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[List[int]] = None  # with return_token_ids (a stream's first)
 
 
 class CompletionResponse(_Response):
@@ -569,11 +573,13 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: List[ChatChoice]
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[List[int]] = None  # with return_token_ids
 
 
 class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: List[ChatStreamChoice]
+    prompt_token_ids: Optional[List[int]] = None  # with return_token_ids, on the first chunk
 
 
 class ModelCard(BaseModel):

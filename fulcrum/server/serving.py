@@ -137,6 +137,7 @@ class _Generation:
         self.choices = [_Choice(i * n + j, prefix=text if echo and text else "",
                                 prompt_token_ids=ids if echo else [])
                         for i, (text, ids) in enumerate(prompts) for j in range(n)]
+        self.prompt_ids = [ids for _, ids in prompts]
         self.cached_tokens = [0] * len(prompts)  # prompt tokens found in the prefix cache
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
@@ -340,15 +341,23 @@ class OpenAIServing:
 
         decode = lambda token: self.llm.tokenizer.decode([token], False)  # noqa: E731
 
+        ids_sent = set()  # the choices whose prompt token ids went out (return_token_ids)
+
         def choice(c: _Choice, delta: _Delta) -> CompletionChoice:
             logprobs = None
             if request.logprobs is not None:
                 logprobs = _legacy_logprobs(delta, decode, request.return_tokens_as_token_ids)
             asked = request.prompt_logprobs is not None
+            ids = request.return_token_ids
+            prompt_ids = None
+            if ids and c.index not in ids_sent:
+                prompt_ids = generation.prompt_ids[c.index // generation.n]
+                ids_sent.add(c.index)
             return CompletionChoice(
                 index=c.index, text=delta.text, logprobs=logprobs,
                 prompt_logprobs=_prompt_logprobs(delta.new_prompt_logprobs) if asked else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(delta.token_ids) if ids else None, prompt_token_ids=prompt_ids)
 
         outputs = self._generate(prompts, params, request_id, request)
         return await self._respond(
@@ -397,6 +406,11 @@ class OpenAIServing:
         created = int(time.time())
         streams = {c.index: self._tool_stream(request) for c in generation.choices}
 
+        prompt_ids = prompt[1] if request.return_token_ids else None
+
+        def token_ids(c: _Choice) -> Optional[List[int]]:
+            return list(c.token_ids) if request.return_token_ids else None
+
         def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
             if request.num_logprobs is None:
                 return None
@@ -426,7 +440,8 @@ class OpenAIServing:
                     return None  # text the tool parser holds back: no empty chunk (as vLLM)
             return chunk([ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
-                finish_reason=finish_reason, stop_reason=c.stop_reason)],
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(delta.token_ids) if request.return_token_ids else None)],
                 self._running_usage(request, generation))
 
         echo = request.echo_text
@@ -448,16 +463,18 @@ class OpenAIServing:
                 choices.append(ChatChoice(index=c.index, message=reply,
                                           logprobs=logprobs(c.whole()),
                                           finish_reason=finish_reason,
-                                          stop_reason=c.stop_reason))
+                                          stop_reason=c.stop_reason, token_ids=token_ids(c)))
             prompt_logprobs = (_prompt_logprobs(generation.choices[0].prompt_logprobs)
                                if request.prompt_logprobs is not None else None)
             return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
                                           usage=generation.usage(), choices=choices,
-                                          prompt_logprobs=prompt_logprobs)
+                                          prompt_logprobs=prompt_logprobs,
+                                          prompt_token_ids=prompt_ids)
 
         roles = [chunk([ChatStreamChoice(index=c.index,
                                          delta=DeltaMessage(role="assistant", content=""))])
                  for c in generation.choices]
+        roles[0].prompt_token_ids = prompt_ids
         if echo:
             roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))])
                       for c in generation.choices]
