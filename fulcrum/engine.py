@@ -287,9 +287,10 @@ class LLMEngine:
                         keep: Optional[int]) -> tuple:
         """(text, token ids) of the prompt's last `keep` tokens (-1: max_model_len), vLLM's
         truncate_prompt_tokens; a prompt cut short gets the text of what is left."""
-        if keep is None or len(token_ids) <= self._kept_tokens(keep):
+        count = None if keep is None else self._kept_tokens(keep)
+        if count is None or len(token_ids) <= count:
             return text, token_ids
-        kept = token_ids[-self._kept_tokens(keep):]
+        kept = token_ids[-count:]
         return self.tokenizer.decode(kept, skip_special_tokens=False), kept
 
     def bad_words_token_ids(self, words: Optional[Sequence[str]]) -> List[List[int]]:

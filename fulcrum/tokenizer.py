@@ -201,6 +201,7 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true")
+
         def render(conversation: List[Dict[str, Any]]) -> str:
             return self._render(template, conversation, add_generation_prompt, **kwargs)
 

@@ -84,10 +84,9 @@ class Sampler:
                       rows: List[SamplingRow]) -> Dict[int, str]:
         """The rows that chose a token their logits rule out, and why: a row whose constraints
         exclude every token (a grammar that no text matches, allowed_token_ids all in
-        bad_words), or
-        whose penalty overflowed its logits to inf or NaN, has nothing to sample; argmax then
-        picks a masked token, and the inverse CDF of NaN weights one past the vocabulary,
-        which the next forward pass, shared by the whole batch, would fail on.
+        bad_words), or whose penalty overflowed its logits to inf or NaN, has nothing to
+        sample; argmax then picks a masked token, and the inverse CDF of NaN weights one past
+        the vocabulary, which the next forward pass, shared by the whole batch, would fail on.
 
         `changed`: the logits after masks and penalties, None where nothing changed them;
         then no token is ruled out and only the range is checked (each torch op on the
