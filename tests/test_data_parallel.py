@@ -27,10 +27,12 @@ LONG = "Once upon a time there was a little dog who liked to run in the park. " 
 def dp_server(stories_dir):
     args = build_parser().parse_args(["serve", str(stories_dir), "--served-model-name", "m",
                                       "--kv-cache-memory-bytes", str(4 << 20),
-                                      "--uvicorn-log-level", "warning"])
+                                      "--uvicorn-log-level", "warning",
+                                      "--enable-request-id-headers"])
     replicas = start_replicas(args, 2, "mp")
     try:
-        with BackgroundServer(build_router_app(replicas.replicas)) as server:
+        with BackgroundServer(build_router_app(replicas.replicas,
+                                               request_id_headers=True)) as server:
             yield server, replicas.replicas
     finally:
         replicas.stop()
@@ -77,6 +79,9 @@ def test_errors_pass_through_the_router(dp_server):
                         headers={"content-type": "application/json"})
     assert broken.status_code == 400
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "m"
+    traced = _complete(server.url, "hi", max_tokens=1, request_id="dp-1")
+    assert traced.json()["id"] == "cmpl-dp-1"  # the replica's header, passed on once
+    assert traced.headers.get_list("x-request-id") == ["dp-1"]
 
 
 def test_a_killed_replica_fails_its_requests_and_the_server_serves_on(dp_server):
@@ -133,7 +138,11 @@ def test_routing_text_and_prefix_tree():
 
 
 def test_the_router_refuses_in_openai_error_bodies():
-    with BackgroundServer(build_router_app([], "round_robin")) as server:
+    with BackgroundServer(build_router_app([], "round_robin",
+                                           request_id_headers=True)) as server:
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x"},
+                             headers={"X-Request-Id": "r-9"})
+        assert refused.status_code == 503 and refused.headers["x-request-id"] == "r-9"
         wrong_method = httpx.put(server.url + "/v1/completions")
         assert wrong_method.status_code == 405
         assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"

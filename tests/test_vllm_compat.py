@@ -4,8 +4,10 @@ for request fields fulcrum cannot honour yet."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import shutil
 import time
 
@@ -221,7 +223,7 @@ def options_server(llama_dir):
             "allow_headers": ["*"], "allow_credentials": False}
     with running_server(llama_dir, ["main", "alias"], app_kwargs={
             "cors": cors, "log_requests": True, "max_log_len": 3,
-            "stats_interval": 0.05}) as (server, _):
+            "stats_interval": 0.05, "request_id_headers": True}) as (server, _):
         yield server
 
 
@@ -248,6 +250,70 @@ def test_aliases_cors_and_log_len(options_server, caplog):
     assert "access-control-allow-origin" not in elsewhere.headers
     scrape = httpx.get(url + "/metrics").text
     assert 'fulcrum:cache_config_info{block_size="16"' in scrape
+
+
+def test_request_ids_name_responses_and_may_repeat(tuned_server, caplog):
+    url = tuned_server.url + "/v1"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with caplog.at_level(logging.INFO, logger="fulcrum.server.serving"):
+        mine = httpx.post(url + "/completions", json={"prompt": PROMPT, "request_id": "job-1"})
+    assert mine.json()["id"] == "cmpl-job-1"
+    assert re.search(r"request cmpl-job-1-[0-9a-f]{8}-0: prompt", caplog.text)
+    fresh = httpx.post(url + "/completions", json={"prompt": PROMPT}).json()["id"]
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", fresh)
+    header = httpx.post(url + "/chat/completions", headers={"X-Request-Id": "trace-7"},
+                        json={**chat, "request_id": "body"})
+    assert header.json()["id"] == "chatcmpl-trace-7"  # the header wins, as in vLLM
+    with httpx.stream("POST", url + "/chat/completions", json={
+            **chat, "stream": True, "request_id": "s"}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: {")]
+    assert len(chunks) >= 2 and {c["id"] for c in chunks} == {"chatcmpl-s"}
+    assert "X-Request-Id" not in header.headers  # only with --enable-request-id-headers
+
+    async def twice() -> list:  # one id in flight twice: a retry, say
+        async with httpx.AsyncClient() as client:
+            body = {"prompt": PROMPT, "max_tokens": 7, "request_id": "same"}
+            return await asyncio.gather(*(client.post(url + "/completions", json=body)
+                                          for _ in range(2)))
+    replies = asyncio.run(twice())
+    assert [r.status_code for r in replies] == [200, 200]
+    assert [r.json()["id"] for r in replies] == ["cmpl-same"] * 2
+    assert replies[0].json()["choices"] == replies[1].json()["choices"] == mine.json()["choices"]
+
+
+@pytest.mark.parametrize("given", [{"json": {"request_id": "x" * 257}},
+                                   {"json": {"request_id": "a\nb"}},
+                                   {"json": {"request_id": "caf\u00e9"}},
+                                   {"headers": {"X-Request-Id": "y" * 300}}])
+def test_request_ids_must_be_short_printable_ascii(tuned_server, given):
+    reply = httpx.post(tuned_server.url + "/v1/completions",
+                       json={"prompt": PROMPT, **given.get("json", {})},
+                       headers=given.get("headers"))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "request_id" and "at most 256 printable ASCII" in error["message"]
+    assert httpx.post(tuned_server.url + "/v1/completions", json={
+        "prompt": PROMPT, "request_id": "x" * 256}).json()["id"] == "cmpl-" + "x" * 256
+
+
+def test_request_id_headers(options_server):
+    url = options_server.url
+    given = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "abc"},
+                       json={"prompt": "hi", "max_tokens": 1})
+    assert given.headers["x-request-id"] == "abc" and given.json()["id"] == "cmpl-abc"
+    body = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                     "request_id": "from-body"})
+    assert body.headers["x-request-id"] == "from-body"
+    chosen = httpx.post(url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert chosen.json()["id"] == "chatcmpl-" + chosen.headers["x-request-id"]
+    refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "n": 0},
+                         headers={"X-Request-Id": "bad-1"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    other = httpx.get(url + "/health")
+    assert re.fullmatch(r"[0-9a-f]{32}", other.headers["x-request-id"])
+    assert len(other.headers.get_list("x-request-id")) == 1
 
 
 def test_no_cors_headers_unless_asked(tuned_server):

@@ -32,7 +32,8 @@ from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
-from fulcrum.server.middleware import BodyGuard, DrainGate, error_response, http_error
+from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, error_response,
+                                       http_error)
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
@@ -113,13 +114,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
               log_requests: bool = False, chat_template: Optional[str] = None,
               tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
               cors: Optional[Dict[str, Any]] = None,
-              stats_interval: Optional[float] = None, web_ui: bool = True) -> FastAPI:
+              stats_interval: Optional[float] = None, web_ui: bool = True,
+              request_id_headers: bool = False) -> FastAPI:
     """The server's app. `served_model_name`: one name or several (aliases; the first is the
     one responses carry). `api_key`: one key or several; None or empty leaves /v1 open.
     `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused).
     `cors`: CORSMiddleware's keywords (allow_origins, ...), None for no CORS headers.
     `stats_interval`: seconds between stats lines in the log (None: none). `web_ui`: serve
-    the playground and dashboard page at / (see dashboard.py)."""
+    the playground and dashboard page at / (see dashboard.py). `request_id_headers`: every
+    response carries X-Request-Id (--enable-request-id-headers)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = ServerMetrics(async_llm, names[0])
     serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
@@ -142,6 +145,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
     return app
 
 

@@ -53,6 +53,9 @@ def register(subparsers) -> None:
                                             "parameters (vLLM's flag; default off)")
     server.add_argument("--disable-log-requests", dest="enable_log_requests",
                         action="store_false", help="vLLM's older spelling of the default")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="add an X-Request-Id header to every response: the request's "
+                             "own, else the id its completion got (vLLM's flag)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='read tool calls from the model\'s answers for tool_choice "auto" '
                              "(needs --tool-call-parser)")
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
                     args.max_request_body_bytes, args.trust_request_chat_template,
                     args.enable_log_requests, template, parser, args.max_log_len,
                     cors_options(args),
-                    None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui)
+                    None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui,
+                    args.enable_request_id_headers)
     try:
         return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
@@ -166,7 +170,8 @@ def run_router(args: argparse.Namespace) -> int:
     replicas = start_replicas(args, args.data_parallel_size, args.data_parallel_backend)
     try:
         app = build_router_app(replicas.replicas, args.router_policy,
-                               args.max_request_body_bytes, cors_options(args))
+                               args.max_request_body_bytes, cors_options(args),
+                               args.enable_request_id_headers)
         run_on(StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level)), sock)
         return 0
     finally:

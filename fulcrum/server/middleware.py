@@ -1,5 +1,6 @@
 """ASGI middleware that guards the app before a route sees a request: the body's size and
-encoding, and the gate that refuses new API calls while the server drains for shutdown.
+encoding, and the gate that refuses new API calls while the server drains for shutdown; and
+the X-Request-Id header of --enable-request-id-headers.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware) because the body limit must count
 bytes as they arrive: a client may send a body without Content-Length, in chunks.
@@ -7,6 +8,7 @@ bytes as they arrive: a client may send a body without Content-Length, in chunks
 
 from __future__ import annotations
 
+import uuid
 from typing import Awaitable, Callable, Dict, MutableMapping
 
 from fastapi.responses import JSONResponse
@@ -108,3 +110,28 @@ class DrainGate:
                 "Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
             return await error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every response carries an X-Request-Id header,
+    the request's own, else the id its completion got (its response id less the prefix),
+    else a fresh one. One already there (a replica's, through the router) is kept."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    given = dict(scope["headers"]).get(b"x-request-id")
+                    chosen = scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+                    headers.append((b"x-request-id", given or chosen.encode("ascii")))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

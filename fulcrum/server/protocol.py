@@ -114,6 +114,8 @@ class SamplingRequest(RequestBody):
     # vLLM's: the prompt's and each choice's token ids in the response.
     return_token_ids: bool = False
     priority: int = 0
+    # vLLM's: the response's id is "cmpl-"/"chatcmpl-" and this (an X-Request-Id header wins).
+    request_id: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared within a salt
     # fulcrum's latency targets for this request (milliseconds); the slo policy meets them.
     slo_ttft_ms: Optional[float] = None

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fulcrum.server.middleware import BodyGuard, error_response, http_error
+from fulcrum.server.middleware import BodyGuard, RequestIdHeader, error_response, http_error
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
 from fulcrum.server.serving import APIError
@@ -137,8 +137,10 @@ class _Merged:
 
 def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
                      max_request_body_bytes: int = 16 << 20,
-                     cors: Optional[Dict[str, Any]] = None) -> FastAPI:
-    """The router's app; `cors`: CORSMiddleware's keywords (None: no CORS headers)."""
+                     cors: Optional[Dict[str, Any]] = None,
+                     request_id_headers: bool = False) -> FastAPI:
+    """The router's app; `cors`: CORSMiddleware's keywords (None: no CORS headers);
+    `request_id_headers`: X-Request-Id on the router's own answers too (502s, /health)."""
     routing = RoutingPolicy(policy, replicas)
     metrics = RouterMetrics(replicas)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
@@ -196,6 +198,8 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
     return app
 
 

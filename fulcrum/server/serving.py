@@ -70,6 +70,37 @@ def bad_request(error: Union[str, Exception]) -> APIError:
     return APIError(400, str(error), param=getattr(error, "param", None))
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestIds:
+    """A response's id, and the base of the engine ids of its prompts."""
+
+    response: str
+    engine: str
+
+
+def request_ids(prefix: str, raw_request: Request, request: SamplingRequest) -> RequestIds:
+    """vLLM's rule: `prefix`-ID, ID being the X-Request-Id header, else the body's request_id,
+    else a fresh one (kept in the request's state for --enable-request-id-headers). A
+    client's id may repeat (a retry, one id per conversation), so its engine ids get a
+    suffix of their own; it reaches logs, the dashboard and a response header, so it must be
+    short printable ASCII."""
+    given = raw_request.headers.get("x-request-id") or request.request_id
+    if not given:
+        raw_request.state.request_id = uuid.uuid4().hex
+        base = f"{prefix}-{raw_request.state.request_id}"
+        return RequestIds(base, base)
+    if len(given) > MAX_REQUEST_ID_CHARS or not (given.isascii() and given.isprintable()):
+        raise APIError(400, f"request_id (or an X-Request-Id header) must be at most "
+                            f"{MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
+                            f"{given[:40]!r}{'...' if len(given) > 40 else ''}", "request_id")
+    raw_request.state.request_id = given
+    base = f"{prefix}-{given}"
+    return RequestIds(base, f"{base}-{uuid.uuid4().hex[:8]}")
+
+
 # ------------------------------------------------------------ output bookkeeping
 @dataclass
 class _Delta:
@@ -326,17 +357,17 @@ class OpenAIServing:
     # -------------------------------------------------------- completions
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Request) -> Union[Response, BaseModel]:
+        ids = request_ids("cmpl", raw_request, request)
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
         if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
         prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
         self._check(prompts, params, request)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = _Generation(prompts, request.n, request.echo)
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
-            return CompletionResponse(id=request_id, created=created, model=self.model_name,
+            return CompletionResponse(id=ids.response, created=created, model=self.model_name,
                                       choices=choices, usage=usage)
 
         decode = lambda token: self.llm.tokenizer.decode([token], False)  # noqa: E731
@@ -359,7 +390,7 @@ class OpenAIServing:
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 token_ids=list(delta.token_ids) if ids else None, prompt_token_ids=prompt_ids)
 
-        outputs = self._generate(prompts, params, request_id, request)
+        outputs = self._generate(prompts, params, ids.engine, request)
         return await self._respond(
             request, raw_request, generation, outputs,
             chunk=lambda c, d: response([choice(c, d)], self._running_usage(request, generation)),
@@ -387,6 +418,7 @@ class OpenAIServing:
     # --------------------------------------------------------------- chat
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Union[Response, BaseModel]:
+        ids = request_ids("chatcmpl", raw_request, request)
         limit = self.llm.config.max_logprobs
         if request.top_logprobs is not None and request.top_logprobs > limit:
             raise APIError(400, f"top_logprobs must be at most {limit} (max_logprobs), got "
@@ -401,7 +433,6 @@ class OpenAIServing:
                                   request.tool_dicts, params.truncate_prompt_tokens,
                                   request.continue_final_message)
         self._check([prompt], params, request)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _Generation([prompt], request.n)
         created = int(time.time())
         streams = {c.index: self._tool_stream(request) for c in generation.choices}
@@ -418,7 +449,7 @@ class OpenAIServing:
                                   request.return_tokens_as_token_ids)
 
         def chunk(choices: List[ChatStreamChoice], usage: Optional[UsageInfo] = None):
-            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+            return ChatCompletionChunk(id=ids.response, created=created, model=self.model_name,
                                        choices=choices, usage=usage)
 
         def delta_chunk(c: _Choice, delta: _Delta) -> Optional[BaseModel]:
@@ -466,7 +497,7 @@ class OpenAIServing:
                                           stop_reason=c.stop_reason, token_ids=token_ids(c)))
             prompt_logprobs = (_prompt_logprobs(generation.choices[0].prompt_logprobs)
                                if request.prompt_logprobs is not None else None)
-            return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+            return ChatCompletionResponse(id=ids.response, created=created, model=self.model_name,
                                           usage=generation.usage(), choices=choices,
                                           prompt_logprobs=prompt_logprobs,
                                           prompt_token_ids=prompt_ids)
@@ -478,7 +509,7 @@ class OpenAIServing:
         if echo:
             roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))])
                       for c in generation.choices]
-        outputs = self._generate([prompt], params, request_id, request)
+        outputs = self._generate([prompt], params, ids.engine, request)
         return await self._respond(
             request, raw_request, generation, outputs, chunk=delta_chunk,
             usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
