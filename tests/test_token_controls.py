@@ -169,6 +169,27 @@ def test_prompt_logprobs_survive_preemption(llama_dir):
             [e and {t: round(lp.logprob, 4) for t, lp in e.items()} for e in want.prompt_logprobs]
 
 
+def test_prompt_logprobs_when_a_preempted_prompt_comes_back_in_larger_chunks(stories_dir):
+    """B's prompt is first computed in chunks of what A leaves of the budget, then preempted
+    and recomputed in larger ones: the positions past what was done before must still give
+    their logprobs (they came back None)."""
+    llm = LLM(str(stories_dir), max_model_len=512, num_gpu_blocks_override=33, block_size=16,
+              scheduling_policy="fcfs", max_num_batched_tokens=64,
+              long_prefill_token_threshold=64, enable_prefix_caching=False)
+    a = {"prompt_token_ids": [1] + [(7 * i) % 500 + 3 for i in range(399)]}
+    b = {"prompt_token_ids": [1] + [(11 * i) % 500 + 3 for i in range(119)]}
+    params = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1)
+    alone = llm.generate([b], params, use_tqdm=False)[0]
+    _, beside = llm.generate([a, b], [SamplingParams(temperature=0, max_tokens=60,
+                                                     ignore_eos=True), params], use_tqdm=False)
+    assert beside.metrics.num_preemptions > 0
+    rounded = lambda out: [e and {t: round(lp.logprob, 4) for t, lp in e.items()}  # noqa: E731
+                           for e in out.prompt_logprobs]
+    assert beside.prompt_logprobs is not None and len(beside.prompt_logprobs) == 120
+    assert rounded(beside) == rounded(alone)
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_truncate_prompt_tokens_keeps_the_end(llm):
     output = greedy(llm, {"prompt_token_ids": PROMPT}, truncate_prompt_tokens=6)
     assert output.prompt_token_ids == PROMPT[-6:]

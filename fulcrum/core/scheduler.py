@@ -34,9 +34,11 @@ class ScheduledChunk:
     block_table: List[int]
     # Set when the chunk reaches the request's newest token, so a new one is sampled.
     sampling: Optional[SamplingRow]
-    # With prompt logprobs: the prompt tokens the chunk's positions predict, in order (the
-    # first len(...) positions have one each), and how many alternatives to report.
+    # With prompt logprobs: the prompt tokens still without theirs that the chunk's positions
+    # predict, in order, from its position `prompt_logprob_row` on (past 0 where a chunk
+    # recomputes positions done before a preemption), and how many alternatives to report.
     prompt_logprob_targets: Optional[List[int]] = None
+    prompt_logprob_row: int = 0
     num_prompt_logprobs: int = 0
 
     @property
@@ -329,13 +331,16 @@ class Scheduler:
 
     @staticmethod
     def _add_prompt_logprob_targets(request: Request, chunk: ScheduledChunk) -> None:
-        """The chunk's share of the prompt logprobs still missing (none when it recomputes
-        positions done before a preemption)."""
+        """The chunk's share of the prompt logprobs still missing: token i's comes from
+        position i - 1, and a chunk that recomputes positions after a preemption may reach
+        past the ones done before it."""
         start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
-        if start + 1 != len(request.prompt_logprobs) or start + 1 >= request.num_prompt_tokens:
+        first = len(request.prompt_logprobs)  # the first token still without its logprobs
+        last = min(end + 1, request.num_prompt_tokens)
+        if not start < first < last:
             return
-        chunk.prompt_logprob_targets = request.all_token_ids[
-            start + 1:min(end + 1, request.num_prompt_tokens)]
+        chunk.prompt_logprob_targets = request.all_token_ids[first:last]
+        chunk.prompt_logprob_row = first - 1 - start
         chunk.num_prompt_logprobs = request.sampling_params.prompt_logprobs
 
     @staticmethod

@@ -54,6 +54,7 @@ class ChunkInput:
     new_blocks: List[int]
     sample: bool
     num_prompt_logprob_targets: int
+    prompt_logprob_row: int
     block_table: List[int] = field(default_factory=list)
 
     @property
@@ -160,9 +161,10 @@ class ModelRunner:
         rank computes them, PROMPT_LOGPROB_ROWS at a time."""
         offset = 0
         for chunk in chunks:
+            row = offset + chunk.prompt_logprob_row
             for first in range(0, chunk.num_prompt_logprob_targets, PROMPT_LOGPROB_ROWS):
                 last = min(first + PROMPT_LOGPROB_ROWS, chunk.num_prompt_logprob_targets)
-                yield chunk, slice(first, last), slice(offset + first, offset + last)
+                yield chunk, slice(first, last), slice(row + first, row + last)
             offset += chunk.num_tokens
 
     def _prompt_logprobs(self, hidden: torch.Tensor,

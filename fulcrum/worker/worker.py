@@ -118,7 +118,8 @@ class StepInputBuilder:
             self._sent[chunk.request_id] = len(table)
             chunks.append(ChunkInput(chunk.request_id, chunk.token_ids, chunk.start_pos,
                                      table[sent:], chunk.sample,
-                                     chunk.num_prompt_logprob_targets))
+                                     chunk.num_prompt_logprob_targets,
+                                     chunk.prompt_logprob_row))
         step = StepInput(chunks, self._dropped)
         self._dropped = []
         return step
