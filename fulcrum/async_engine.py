@@ -216,13 +216,18 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self._abandon(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step. Unknown ids are ignored.
-        The id stays taken until the engine reports the abort, so that no output the old
-        request had on its way reaches a new request of the same id."""
+        """Stop a request; its blocks are freed before the next step, and its stream ends with
+        finish reason "abort" (as vLLM's). Unknown ids are ignored. The id stays taken until
+        the engine reports the abort."""
         check_request_ids([request_id])  # here, not in the engine thread, whose errors are fatal
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def _abandon(self, request_id: str) -> None:
+        """Abort a request whose stream nobody reads any more: its outputs are dropped until
+        the engine reports the abort, so that none reaches a new request of the same id."""
         if self._streams.pop(request_id, None) is not None:
             self._aborting.add(request_id)
         self._submit(lambda: self.engine.abort_request(request_id))

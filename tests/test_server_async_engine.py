@@ -86,6 +86,42 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_llm):
     assert manager.num_free_blocks == manager.num_usable_blocks
 
 
+def test_abort_ends_the_stream_of_its_request(async_llm):
+    """abort() from outside the stream (another task, an admin): the task reading the stream
+    gets a last output with finish reason "abort" (it waited forever), before and after the
+    first token, many at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def read(request_id: str, abort_after: int) -> list:
+        outputs = []
+        async for output in async_llm.generate("abort me from outside", params, request_id):
+            outputs.append(output)
+            if len(outputs) == abort_after:
+                async_llm.abort(request_id)
+        return outputs
+
+    async def run():
+        early = asyncio.ensure_future(read("early", -1))
+        await asyncio.sleep(0)
+        async_llm.abort("early")  # before anything came out
+        many = [asyncio.ensure_future(read(f"many-{i}", -1)) for i in range(20)]
+        await asyncio.sleep(0)
+        for i in range(20):
+            async_llm.abort(f"many-{i}")
+        return await asyncio.gather(early, read("late", 2), *many)
+
+    streams = asyncio.run(asyncio.wait_for(run(), 20))
+    for outputs in streams:
+        assert outputs and outputs[-1].finished
+        assert outputs[-1].outputs[0].finish_reason == "abort"
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) < 20
+    assert len(streams[1]) >= 2
+    wait_idle(async_llm)
+    manager = async_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert asyncio.run(collect(async_llm, "after", GREEDY, "early"))[-1].finished  # id free
+
+
 def test_bad_requests_fail_alone(async_llm):
     async def run():
         with pytest.raises(ValueError, match="maximum model length"):
