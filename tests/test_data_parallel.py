@@ -1,21 +1,28 @@
 """Data-parallel replicas behind the router: both replicas serve, a repeated prompt goes to
-the replica that cached it, /metrics labels each replica's series, and a replica killed
-mid-run fails its requests with an error while the server serves on."""
+the replica that cached it, /metrics labels each replica's series, a replica killed
+mid-run fails its requests with an error while the server serves on, a client that leaves
+stops its request at the replica, and stuck or unreachable replicas (stand-ins here) are
+taken out of service."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import multiprocessing
 import re
+import socket
+import threading
 import time
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from conftest import free_port
 from fulcrum.cli import build_parser
 from fulcrum.server import BackgroundServer
 from fulcrum.server.prefix_tree import PrefixTree
-from fulcrum.server.replicas import start_replicas
+from fulcrum.server.replicas import Replica, start_replicas
 from fulcrum.server.router import build_router_app, routing_text
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,6 +91,27 @@ def test_errors_pass_through_the_router(dp_server):
     assert traced.headers.get_list("x-request-id") == ["dp-1"]
 
 
+def test_a_client_that_leaves_a_plain_request_stops_it_at_the_replica(dp_server):
+    server, replicas = dp_server
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and hangs up
+        httpx.post(f"{server.url}/v1/completions", timeout=1.0, json={
+            "model": "m", "prompt": [1, 403, 407], "max_tokens": 480, "n": 16,
+            "ignore_eos": True, "temperature": 0.7})
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        running = sum(_metric(metrics, "fulcrum:num_requests_running", r.index)
+                      for r in replicas)
+        if (running == 0 and not any(r.in_flight for r in replicas)) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert running == 0 and [r.in_flight for r in replicas] == [0, 0]
+    generated = sum(_metric(metrics, "fulcrum:generation_tokens_total", r.index)
+                    for r in replicas)
+    assert generated < 16 * 480  # stopped, not run to the end
+
+
 def test_a_killed_replica_fails_its_requests_and_the_server_serves_on(dp_server):
     server, replicas = dp_server
     text = "Lily had a red ball. " * 4
@@ -148,6 +176,69 @@ def test_the_router_refuses_in_openai_error_bodies():
         assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"
         assert httpx.post(server.url + "/v1/completions",
                           json={"prompt": "x"}).json()["error"]["code"] == 503
+
+
+@pytest.fixture
+def alive():
+    """A live process to stand for a replica's (the router also watches that it lives)."""
+    process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    process.start()
+    yield process
+    process.kill()
+    process.join()
+
+
+def _answering_app() -> FastAPI:
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    app.post("/v1/completions")(lambda: {"answered_by": "the replica in service"})
+    return app
+
+
+def test_a_stuck_replica_is_taken_out_and_its_requests_fail(alive):
+    """A replica that lives but answers nothing (a socket nobody accepts on): its /health
+    probe times out, the request waiting there gets a 502 naming why, streams an error
+    event, and with no replica left the router says so (on_all_down)."""
+    stuck = socket.socket()
+    stuck.bind(("127.0.0.1", 0))
+    stuck.listen(64)  # connections complete in the kernel; no answer ever comes
+    replica = Replica(0, f"http://127.0.0.1:{stuck.getsockname()[1]}", alive)
+    all_down = threading.Event()
+    app = build_router_app([replica], "round_robin", health_timeout=1.0,
+                           on_all_down=all_down.set)
+    try:
+        with BackgroundServer(app) as server:
+            start = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                plain = pool.submit(httpx.post, f"{server.url}/v1/completions",
+                                    json={"prompt": "x"}, timeout=30)
+                with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                                  json={"prompt": "x", "stream": True}) as stream:
+                    assert stream.status_code == 502  # it never answered the headers
+                answer = plain.result()
+            assert time.monotonic() - start < 10
+            assert answer.status_code == 502
+            error = answer.json()["error"]
+            assert error["type"] == "BadGatewayError"
+            assert "answered no /health for 1 s" in error["message"]
+            assert all_down.wait(5)
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 503
+            assert health.json()["replicas"][0]["error"] == "it answered no /health for 1 s"
+    finally:
+        stuck.close()
+
+
+def test_a_replica_that_takes_no_connection_hands_its_request_on(alive):
+    closed = Replica(0, f"http://127.0.0.1:{free_port()}", alive)  # nothing listens there
+    with BackgroundServer(_answering_app()) as up:
+        serving = Replica(1, up.url, alive)
+        with BackgroundServer(build_router_app([closed, serving], "round_robin")) as server:
+            answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"answered_by": "the replica in service"}
+            assert closed.error.startswith("it refused a connection") and serving.healthy
+            assert [closed.in_flight, serving.in_flight] == [0, 0]
 
 
 def test_a_full_prefix_tree_frees_a_tenth_at_once_least_recent_first():

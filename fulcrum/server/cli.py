@@ -168,11 +168,19 @@ def run_router(args: argparse.Namespace) -> int:
 
     sock = listening_socket(args.host, args.port)
     replicas = start_replicas(args, args.data_parallel_size, args.data_parallel_backend)
+    exit_code = 0
+
+    def all_down() -> None:  # as a server whose engine died: stop with status 1
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
     try:
         app = build_router_app(replicas.replicas, args.router_policy,
                                args.max_request_body_bytes, cors_options(args),
-                               args.enable_request_id_headers)
-        run_on(StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level)), sock)
-        return 0
+                               args.enable_request_id_headers, on_all_down=all_down)
+        server = StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+        run_on(server, sock)
+        return exit_code
     finally:
         replicas.stop()

@@ -6,6 +6,7 @@ own threads. The router (router.py) is their one front door.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import logging
 import multiprocessing
@@ -64,6 +65,8 @@ class Replica:
     in_flight: int = 0
     served: int = 0
     error: Optional[str] = None  # why it is out of service
+    # Set when it goes out of service: what the router has open there stops waiting.
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     def process_error(self) -> Optional[str]:
         """Why its process ended, if it has."""

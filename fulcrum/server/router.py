@@ -9,8 +9,12 @@ Each completion goes to one replica, chosen by a policy:
 - round_robin: in turn (for comparison).
 Everything else (/v1/models, /tokenize, ...) goes to any healthy replica; /metrics merges
 the replicas' series (each labelled with its `engine` index, as vLLM's are) with the
-router's own; /health lists the replicas. A replica that dies is taken out of service: the
-requests it had fail with an error (a 502, or an error event in a stream), the others go on.
+router's own; /health lists the replicas. A replica that dies, or that answers no /health
+for `health_timeout` seconds (alive but stuck), is taken out of service: the requests it had
+fail with an error (a 502, or an error event in a stream), one it took no connection for
+goes to another, the others go on; once none is left the router stops (`on_all_down`), so
+that a supervisor can restart the whole. A client that hangs up stops its request at the
+replica too, streamed or not.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 import itertools
 import json
 import logging
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -33,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fulcrum.server.middleware import BodyGuard, RequestIdHeader, error_response, http_error
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
-from fulcrum.server.serving import APIError
+from fulcrum.server.serving import CLIENT_CLOSED_REQUEST, APIError, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,8 @@ POLICIES = ("cache_aware", "round_robin")
 CACHE_THRESHOLD = 0.5  # SGLang's defaults
 BALANCE_ABS = 32
 MONITOR_INTERVAL_S = 0.5
+HEALTH_INTERVAL_S = 2.0  # between a replica's /health probes
+HEALTH_TIMEOUT_S = 10.0  # a replica that answers none for this long is stuck
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
@@ -75,6 +81,7 @@ class RoutingPolicy:
     def take_out(self, replica: Replica, reason: str) -> None:
         if replica.error is None:
             replica.error = reason
+            replica.gone.set()
             self.tree.forget(replica.index)
             logger.error("data-parallel replica %d is out of service: %s", replica.index, reason)
 
@@ -138,20 +145,29 @@ class _Merged:
 def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
                      max_request_body_bytes: int = 16 << 20,
                      cors: Optional[Dict[str, Any]] = None,
-                     request_id_headers: bool = False) -> FastAPI:
+                     request_id_headers: bool = False,
+                     health_timeout: float = HEALTH_TIMEOUT_S,
+                     on_all_down: Optional[Callable[[], None]] = None) -> FastAPI:
     """The router's app; `cors`: CORSMiddleware's keywords (None: no CORS headers);
-    `request_id_headers`: X-Request-Id on the router's own answers too (502s, /health)."""
+    `request_id_headers`: X-Request-Id on the router's own answers too (502s, /health);
+    `on_all_down`: called once no replica is left in service."""
     routing = RoutingPolicy(policy, replicas)
     metrics = RouterMetrics(replicas)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+    # No cap on connections: each request in flight holds one (httpx's default of 100 made
+    # the rest wait in its pool, /health probes too).
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                               limits=httpx.Limits(max_connections=None))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        monitor = asyncio.ensure_future(_monitor(routing))
+        watchers = [asyncio.ensure_future(_monitor(routing, on_all_down))]
+        watchers += [asyncio.ensure_future(_probe_health(client, routing, r, health_timeout))
+                     for r in replicas]
         try:
             yield
         finally:
-            monitor.cancel()
+            for watcher in watchers:
+                watcher.cancel()
             await client.aclose()
 
     app = FastAPI(title="fulcrum router", lifespan=lifespan)
@@ -183,17 +199,23 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     @app.api_route("/v1/chat/completions", methods=["POST"])
     async def completion(request: Request) -> Response:
         body = await request.body()
-        replica = routing.pick(routing_text(request.url.path, body))
-        metrics.requests.labels(engine=str(replica.index)).inc()
-        return await _forward(client, routing, replica, request, body)
+        text = routing_text(request.url.path, body)
+
+        def pick() -> Replica:
+            replica = routing.pick(text)
+            metrics.requests.labels(engine=str(replica.index)).inc()
+            return replica
+        return await _forward_to_one(client, routing, pick, request, body)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def anything_else(path: str, request: Request) -> Response:
-        # The first replica in service answers (the dashboard's polls see one engine).
-        replica = next((r for r in replicas if r.healthy), None)
-        if replica is None:
-            raise APIError(503, "no data-parallel replica is in service")
-        return await _forward(client, routing, replica, request, await request.body())
+        def first_in_service() -> Replica:  # the dashboard's polls see one engine
+            replica = next((r for r in replicas if r.healthy), None)
+            if replica is None:
+                raise APIError(503, "no data-parallel replica is in service")
+            return replica
+        return await _forward_to_one(client, routing, first_in_service, request,
+                                     await request.body())
 
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
@@ -203,50 +225,119 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     return app
 
 
+class _Unreachable(Exception):
+    """The replica took no connection: the request never reached it."""
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+class _ReplicaGone(Exception):
+    pass
+
+
+T = TypeVar("T")
+
+
+async def _forward_to_one(client: httpx.AsyncClient, routing: RoutingPolicy,
+                          pick: Callable[[], Replica], request: Request,
+                          body: bytes) -> Response:
+    """The answer of the replica `pick()` gives; one that takes no connection is out of
+    service, and the next pick gets the request."""
+    while True:
+        replica = pick()
+        try:
+            return await _forward(client, routing, replica, request, body)
+        except _Unreachable as error:
+            routing.take_out(replica, replica.process_error() or
+                             f"it refused a connection ({error})")
+
+
 async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: Replica,
                    request: Request, body: bytes) -> Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     outgoing = client.build_request(request.method, f"{replica.url}{request.url.path}",
                                     params=request.query_params, headers=headers, content=body)
+    answer: Optional[httpx.Response] = None
+    relayed = False  # the relay then counts the request out and closes the answer
     replica.in_flight += 1
     try:
-        answer = await client.send(outgoing, stream=True)
-    except httpx.HTTPError as error:
-        replica.in_flight -= 1
-        _check(routing, replica)
+        try:
+            answer = await _watched(request, replica, client.send(outgoing, stream=True))
+        except httpx.ConnectError as error:
+            raise _Unreachable(type(error).__name__) from None
+        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
+        if answer.headers.get("content-type", "").startswith("text/event-stream"):
+            relayed = True
+            return StreamingResponse(_relay(routing, replica, answer),
+                                     status_code=answer.status_code, headers=kept)
+        content = await _watched(request, replica, answer.aread())
+        return Response(content, status_code=answer.status_code, headers=kept)
+    except _ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except (_ReplicaGone, httpx.HTTPError) as error:
         return error_response(APIError(502, f"data-parallel replica {replica.index} failed: "
-                                            f"{type(error).__name__}"))
-    kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
-    if answer.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(_relay(routing, replica, answer), status_code=answer.status_code,
-                                 headers=kept)
-    try:
-        content = await answer.aread()
-    except httpx.HTTPError as error:
-        _check(routing, replica)
-        return error_response(APIError(502, f"data-parallel replica {replica.index} failed "
-                                            f"mid-answer: {type(error).__name__}"))
+                                            f"{_why(routing, replica, error)}"))
     finally:
-        replica.in_flight -= 1
-        await answer.aclose()
-    return Response(content, status_code=answer.status_code, headers=kept)
+        if not relayed:
+            replica.in_flight -= 1
+            if answer is not None:
+                await answer.aclose()
+
+
+async def _watched(request: Request, replica: Replica, work: Awaitable[T]) -> T:
+    """`work`'s result; _ClientLeft if the client hangs up first, _ReplicaGone if the replica
+    goes out of service first. `work` is then cancelled: the connection it had open is
+    dropped, which the replica takes for its client leaving (and aborts the request)."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(wait_for_disconnect(request))
+    gone = asyncio.ensure_future(replica.gone.wait())
+    try:
+        await asyncio.wait({task, left, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (task, left, gone):
+            waiter.cancel()
+    await asyncio.gather(task, left, gone, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()
+    raise _ReplicaGone() if gone.done() and not gone.cancelled() else _ClientLeft()
 
 
 async def _relay(routing: RoutingPolicy, replica: Replica,
                  answer: httpx.Response) -> AsyncIterator[bytes]:
-    """A replica's event stream, passed through; if the replica fails mid-stream, an error
-    event and the end of the stream (a client never waits on a dead replica)."""
+    """A replica's event stream, passed through; if the replica fails or goes out of service
+    mid-stream, an error event and the end of the stream (a client never waits on a dead or
+    stuck replica)."""
+    pieces = answer.aiter_raw()
+    gone = asyncio.ensure_future(replica.gone.wait())
     try:
-        async for piece in answer.aiter_raw():
+        while True:
+            read = asyncio.ensure_future(pieces.__anext__())
+            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
+                raise _ReplicaGone()
+            try:
+                piece = read.result()
+            except StopAsyncIteration:
+                return
             yield piece
-    except httpx.HTTPError as error:
-        _check(routing, replica)
+    except (_ReplicaGone, httpx.HTTPError) as error:
         failure = APIError(502, f"data-parallel replica {replica.index} failed mid-stream: "
-                                f"{type(error).__name__}")
+                                f"{_why(routing, replica, error)}")
         yield f"data: {failure.body().model_dump_json()}\n\ndata: [DONE]\n\n".encode()
     finally:
+        gone.cancel()
         replica.in_flight -= 1
         await answer.aclose()
+
+
+def _why(routing: RoutingPolicy, replica: Replica, error: Exception) -> str:
+    """What a failed exchange with a replica says: why it is out of service, or the error."""
+    _check(routing, replica)
+    return replica.error if isinstance(error, _ReplicaGone) else type(error).__name__
 
 
 def _check(routing: RoutingPolicy, replica: Replica) -> None:
@@ -255,10 +346,30 @@ def _check(routing: RoutingPolicy, replica: Replica) -> None:
         routing.take_out(replica, ended)
 
 
-async def _monitor(routing: RoutingPolicy) -> None:
-    """Take replicas whose process ended out of service, even while no request is routed."""
+async def _monitor(routing: RoutingPolicy, on_all_down: Optional[Callable[[], None]]) -> None:
+    """Take replicas whose process ended out of service, even while no request is routed;
+    once none is left, call `on_all_down`."""
     while True:
         for replica in routing.replicas:
             if replica.healthy:
                 _check(routing, replica)
+        if on_all_down is not None and not any(r.healthy for r in routing.replicas):
+            logger.error("no data-parallel replica is left in service")
+            on_all_down()
+            return
         await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+async def _probe_health(client: httpx.AsyncClient, routing: RoutingPolicy, replica: Replica,
+                        timeout: float) -> None:
+    """Take a replica that lives but answers no /health within `timeout` out of service
+    (stopped, deadlocked, swapped out): its process looks fine, and what the router has open
+    there would wait for ever."""
+    while replica.healthy:
+        try:
+            await client.get(f"{replica.url}/health", timeout=timeout)
+        except httpx.TimeoutException:
+            routing.take_out(replica, f"it answered no /health for {timeout:g} s")
+        except httpx.HTTPError:
+            _check(routing, replica)
+        await asyncio.sleep(HEALTH_INTERVAL_S)

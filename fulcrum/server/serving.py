@@ -50,7 +50,7 @@ class APIError(Exception):
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              405: "MethodNotAllowedError", 409: "ConflictError", 413: "RequestTooLargeError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
+             500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  headers: Optional[Dict[str, str]] = None) -> None:
@@ -296,7 +296,7 @@ def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json().translate(_LINE_BREAKS)}\n\n"
 
 
-async def _wait_for_disconnect(raw_request: Request) -> None:
+async def wait_for_disconnect(raw_request: Request) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
 
@@ -308,7 +308,7 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -
     that gives up on a long completion does not keep its requests running.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
