@@ -82,6 +82,27 @@ def test_tp2_under_preemption_equals_tp1(model_dirs):
                 enable_prefix_caching=False)
 
 
+def test_tp2_prompt_logprobs_when_a_preempted_prompt_comes_back_in_larger_chunks(stories_dir):
+    """The recomputed chunk's prompt-logprob rows start past its first position: the other
+    rank must compute the LM head on the same rows (it would wait or fail otherwise)."""
+    settings = dict(max_model_len=512, num_gpu_blocks_override=33, block_size=16,
+                    scheduling_policy="fcfs", max_num_batched_tokens=64,
+                    long_prefill_token_threshold=64, enable_prefix_caching=False)
+    a = {"prompt_token_ids": [1] + [(7 * i) % 500 + 3 for i in range(399)]}
+    b = {"prompt_token_ids": [1] + [(11 * i) % 500 + 3 for i in range(119)]}
+    params = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1)
+    alone = LLM(str(stories_dir), **settings).generate([b], params, use_tqdm=False)[0]
+    split = LLM(str(stories_dir), tensor_parallel_size=2, **settings)
+    try:
+        _, beside = split.generate([a, b], [SamplingParams(temperature=0, max_tokens=60,
+                                                           ignore_eos=True), params],
+                                   use_tqdm=False)
+        assert beside.metrics.num_preemptions > 0 and len(beside.prompt_logprobs) == 120
+        _same_logprobs(alone.prompt_logprobs, beside.prompt_logprobs)
+    finally:
+        split.llm_engine.shutdown()
+
+
 def test_tp4_replicates_kv_heads(model_dirs):
     # 4 query heads, 2 KV heads: each KV head is held by two ranks.
     _check_same(model_dirs["qwen2"], 4)
