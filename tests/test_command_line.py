@@ -98,6 +98,23 @@ def test_server_options_are_checked_before_the_model_loads(monkeypatch, capsys, 
     assert "cannot listen on nohost.invalid:8000" in capsys.readouterr().err
 
 
+def test_serve_raises_the_open_file_limit():
+    import resource
+
+    from fulcrum.server.cli import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        raise_open_file_limit()
+        wanted = 65535 if hard == resource.RLIM_INFINITY else min(65535, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
+        raise_open_file_limit(target=512)  # never lowered
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == wanted
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_the_arrival_rate_and_burstiness_must_be_numbers():
     from fulcrum.bench.arrivals import arrival_offsets
 

@@ -230,15 +230,27 @@ def test_a_stuck_replica_is_taken_out_and_its_requests_fail(alive):
 
 
 def test_a_replica_that_takes_no_connection_hands_its_request_on(alive):
-    closed = Replica(0, f"http://127.0.0.1:{free_port()}", alive)  # nothing listens there
+    """Nothing listens at `closed`'s port: its requests go to the other replica. Its process
+    lives, so it stays in service (a refused connection may be the router's own doing, out
+    of file descriptors); with no replica taking the connection, a 502."""
+    closed = Replica(0, f"http://127.0.0.1:{free_port()}", alive)
     with BackgroundServer(_answering_app()) as up:
         serving = Replica(1, up.url, alive)
         with BackgroundServer(build_router_app([closed, serving], "round_robin")) as server:
-            answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
-            assert answer.status_code == 200, answer.text
-            assert answer.json() == {"answered_by": "the replica in service"}
-            assert closed.error.startswith("it refused a connection") and serving.healthy
+            for _ in range(2):  # round robin: each replica is picked first once
+                answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
+                assert answer.status_code == 200, answer.text
+                assert answer.json() == {"answered_by": "the replica in service"}
+            assert closed.healthy and serving.healthy
             assert [closed.in_flight, serving.in_flight] == [0, 0]
+            assert 'fulcrum:router_requests_total{engine="1"} 2.0' in \
+                httpx.get(f"{server.url}/metrics").text  # counted where it was served
+    nowhere = [Replica(i, f"http://127.0.0.1:{free_port()}", alive) for i in range(2)]
+    with BackgroundServer(build_router_app(nowhere, "round_robin")) as server:
+        answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
+        assert answer.status_code == 502
+        assert answer.json()["error"]["message"] == \
+            "no data-parallel replica took the connection"
 
 
 def test_a_full_prefix_tree_frees_a_tenth_at_once_least_recent_first():

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 from typing import Any, Dict, List, Optional
 
 from fulcrum.arg_types import non_empty, non_negative_int, port, positive_int, seconds, string_list
 from fulcrum.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "FULCRUM_API_KEY"
 # Copied from fulcrum.server.api_server, which imports the server's heavy dependencies.
@@ -54,8 +57,9 @@ def register(subparsers) -> None:
     server.add_argument("--disable-log-requests", dest="enable_log_requests",
                         action="store_false", help="vLLM's older spelling of the default")
     server.add_argument("--enable-request-id-headers", action="store_true",
-                        help="add an X-Request-Id header to every response: the request's "
-                             "own, else the id its completion got (vLLM's flag)")
+                        help="add an X-Request-Id header to responses: the request's own, "
+                             "else the id its completion got (vLLM's flag; vLLM's then gives "
+                             "a fresh one)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='read tool calls from the model\'s answers for tool_choice "auto" '
                              "(needs --tool-call-parser)")
@@ -128,6 +132,21 @@ def api_keys(args: argparse.Namespace) -> List[str]:
     return keys
 
 
+def raise_open_file_limit(target: int = 65535) -> None:
+    """Each request in flight holds a socket (two through the data-parallel router): raise
+    the soft limit on open files towards `target`, as vLLM does, where it is lower (1024 is
+    a common default)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as error:
+            logger.warning("could not raise the open-file limit from %d (%s): many clients "
+                           "at once may meet 'Too many open files'; see `ulimit -n`",
+                           soft, error)
+
+
 def run(args: argparse.Namespace) -> int:
     from fulcrum.tokenizer import Tokenizer
 
@@ -139,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     show_request_log(args)
+    raise_open_file_limit()
     if args.data_parallel_size > 1:
         return run_router(args)
     from fulcrum.async_engine import AsyncLLM

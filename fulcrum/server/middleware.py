@@ -113,9 +113,10 @@ class DrainGate:
 
 
 class RequestIdHeader:
-    """vLLM's --enable-request-id-headers: every response carries an X-Request-Id header,
-    the request's own, else the id its completion got (its response id less the prefix),
-    else a fresh one. One already there (a replica's, through the router) is kept."""
+    """vLLM's --enable-request-id-headers: each response carries an X-Request-Id header,
+    the request's own, else (where vLLM's gives a fresh one) the id its completion got, its
+    response id less the prefix, so a body's request_id comes back too; else a fresh one.
+    One already there (a replica's, through the router) is kept."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -128,7 +129,8 @@ class RequestIdHeader:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    given = dict(scope["headers"]).get(b"x-request-id")
+                    given = next((value for name, value in scope["headers"]
+                                  if name == b"x-request-id"), None)  # the first, as routes read
                     chosen = scope.get("state", {}).get("request_id") or uuid.uuid4().hex
                     headers.append((b"x-request-id", given or chosen.encode("ascii")))
                     message = {**message, "headers": headers}

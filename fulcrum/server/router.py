@@ -11,10 +11,11 @@ Everything else (/v1/models, /tokenize, ...) goes to any healthy replica; /metri
 the replicas' series (each labelled with its `engine` index, as vLLM's are) with the
 router's own; /health lists the replicas. A replica that dies, or that answers no /health
 for `health_timeout` seconds (alive but stuck), is taken out of service: the requests it had
-fail with an error (a 502, or an error event in a stream), one it took no connection for
-goes to another, the others go on; once none is left the router stops (`on_all_down`), so
-that a supervisor can restart the whole. A client that hangs up stops its request at the
-replica too, streamed or not.
+fail with an error (a 502, or an error event in a stream), the others go on; once none is
+left the router stops (`on_all_down`), so that a supervisor can restart the whole. A request
+a replica takes no connection for goes to another (a refused connection alone takes no
+replica out: it may be the router's own doing). A client that hangs up stops its request at
+the replica too, streamed or not.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import contextlib
 import itertools
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, TypeVar
+from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence,
+                    Tuple, TypeVar)
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fulcrum.server.middleware import BodyGuard, RequestIdHeader, error_response, http_error
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
-from fulcrum.server.serving import CLIENT_CLOSED_REQUEST, APIError, wait_for_disconnect
+from fulcrum.server.serving import CLIENT_CLOSED_REQUEST, APIError, first_of, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ MONITOR_INTERVAL_S = 0.5
 HEALTH_INTERVAL_S = 2.0  # between a replica's /health probes
 HEALTH_TIMEOUT_S = 10.0  # a replica that answers none for this long is stuck
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+T = TypeVar("T")
 
 
 class RoutingPolicy:
@@ -58,10 +61,12 @@ class RoutingPolicy:
         self.tree = PrefixTree()
         self._turn = itertools.count()
 
-    def pick(self, text: Optional[str]) -> Replica:
-        healthy = [r for r in self.replicas if r.healthy]
+    def pick(self, text: Optional[str], refused: Sequence[Replica] = ()) -> Replica:
+        """The replica for a request of `text` (None: no text), of those in service that
+        have not `refused` its connection."""
+        healthy = [r for r in self.replicas if r.healthy and r not in refused]
         if not healthy:
-            raise APIError(503, "no data-parallel replica is in service")
+            raise _nowhere(refused)
         if self.name == "round_robin" or text is None:
             choice = healthy[next(self._turn) % len(healthy)]
             choice.served += 1
@@ -84,6 +89,12 @@ class RoutingPolicy:
             replica.gone.set()
             self.tree.forget(replica.index)
             logger.error("data-parallel replica %d is out of service: %s", replica.index, reason)
+
+
+def _nowhere(refused: Sequence[Replica]) -> APIError:
+    if refused:
+        return APIError(502, "no data-parallel replica took the connection")
+    return APIError(503, "no data-parallel replica is in service")
 
 
 def routing_text(path: str, body: bytes) -> Optional[str]:
@@ -133,7 +144,12 @@ class _Merged:
     def collect(self):
         families: Dict[str, Any] = {}
         for index, text in sorted(self.texts.items()):
-            for family in text_string_to_metric_families(text):
+            try:
+                parsed = list(text_string_to_metric_families(text))
+            except ValueError as error:  # one replica's page must not cost the others'
+                logger.warning("replica %d's /metrics left out: %s", index, error)
+                continue
+            for family in parsed:
                 family.samples = [s._replace(labels={**s.labels, "engine": str(index)})
                                   for s in family.samples]
                 kept = families.setdefault(family.name, family)
@@ -192,7 +208,8 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
         for replica in [r for r in replicas if r.healthy]:
             with contextlib.suppress(httpx.HTTPError):
                 answer = await client.get(f"{replica.url}/metrics", timeout=10.0)
-                texts[replica.index] = answer.text
+                if answer.status_code == 200:
+                    texts[replica.index] = answer.text
         return Response(metrics.render(texts), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/v1/completions", methods=["POST"])
@@ -201,21 +218,21 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
         body = await request.body()
         text = routing_text(request.url.path, body)
 
-        def pick() -> Replica:
-            replica = routing.pick(text)
-            metrics.requests.labels(engine=str(replica.index)).inc()
-            return replica
-        return await _forward_to_one(client, routing, pick, request, body)
+        answer, replica = await _forward_to_one(
+            client, routing, lambda refused: routing.pick(text, refused), request, body)
+        metrics.requests.labels(engine=str(replica.index)).inc()
+        return answer
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def anything_else(path: str, request: Request) -> Response:
-        def first_in_service() -> Replica:  # the dashboard's polls see one engine
-            replica = next((r for r in replicas if r.healthy), None)
-            if replica is None:
-                raise APIError(503, "no data-parallel replica is in service")
+        def first_in_service(refused: Sequence[Replica]) -> Replica:  # the dashboard's
+            replica = next((r for r in replicas if r.healthy and r not in refused), None)
+            if replica is None:  # polls see one engine
+                raise _nowhere(refused)
             return replica
-        return await _forward_to_one(client, routing, first_in_service, request,
-                                     await request.body())
+        answer, _ = await _forward_to_one(client, routing, first_in_service, request,
+                                          await request.body())
+        return answer
 
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
@@ -225,37 +242,37 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     return app
 
 
-class _Unreachable(Exception):
-    """The replica took no connection: the request never reached it."""
-
-
 class _ClientLeft(Exception):
-    pass
+    """The client hung up before the answer came."""
 
 
 class _ReplicaGone(Exception):
-    pass
-
-
-T = TypeVar("T")
+    """The replica went out of service before the answer came."""
 
 
 async def _forward_to_one(client: httpx.AsyncClient, routing: RoutingPolicy,
-                          pick: Callable[[], Replica], request: Request,
-                          body: bytes) -> Response:
-    """The answer of the replica `pick()` gives; one that takes no connection is out of
-    service, and the next pick gets the request."""
+                          pick: Callable[[Sequence[Replica]], Replica], request: Request,
+                          body: bytes) -> Tuple[Response, Replica]:
+    """The answer of the replica `pick(refused)` gives, and that replica. One that takes no
+    connection never saw the request, which goes to the next pick (each replica once). It
+    stays in service unless its process ended: a refused connection may be the router's own
+    doing (out of file descriptors, say)."""
+    refused: List[Replica] = []
     while True:
-        replica = pick()
+        replica = pick(refused)
         try:
-            return await _forward(client, routing, replica, request, body)
-        except _Unreachable as error:
-            routing.take_out(replica, replica.process_error() or
-                             f"it refused a connection ({error})")
+            return await _forward(client, routing, replica, request, body), replica
+        except httpx.ConnectError as error:
+            _check(routing, replica)
+            refused.append(replica)
+            logger.warning("data-parallel replica %d took no connection (%r): trying another",
+                           replica.index, error)
 
 
 async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: Replica,
                    request: Request, body: bytes) -> Response:
+    """The replica's answer: relayed as it comes for a stream, else whole; a 502 if the
+    replica fails. httpx.ConnectError (nothing was sent) is the caller's."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     outgoing = client.build_request(request.method, f"{replica.url}{request.url.path}",
                                     params=request.query_params, headers=headers, content=body)
@@ -263,10 +280,7 @@ async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: R
     relayed = False  # the relay then counts the request out and closes the answer
     replica.in_flight += 1
     try:
-        try:
-            answer = await _watched(request, replica, client.send(outgoing, stream=True))
-        except httpx.ConnectError as error:
-            raise _Unreachable(type(error).__name__) from None
+        answer = await _watched(request, replica, client.send(outgoing, stream=True))
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             relayed = True
@@ -276,9 +290,10 @@ async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: R
         return Response(content, status_code=answer.status_code, headers=kept)
     except _ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except httpx.ConnectError:
+        raise
     except (_ReplicaGone, httpx.HTTPError) as error:
-        return error_response(APIError(502, f"data-parallel replica {replica.index} failed: "
-                                            f"{_why(routing, replica, error)}"))
+        return error_response(_failure(routing, replica, error))
     finally:
         if not relayed:
             replica.in_flight -= 1
@@ -290,54 +305,42 @@ async def _watched(request: Request, replica: Replica, work: Awaitable[T]) -> T:
     """`work`'s result; _ClientLeft if the client hangs up first, _ReplicaGone if the replica
     goes out of service first. `work` is then cancelled: the connection it had open is
     dropped, which the replica takes for its client leaving (and aborts the request)."""
-    task = asyncio.ensure_future(work)
-    left = asyncio.ensure_future(wait_for_disconnect(request))
-    gone = asyncio.ensure_future(replica.gone.wait())
-    try:
-        await asyncio.wait({task, left, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in (task, left, gone):
-            waiter.cancel()
-    await asyncio.gather(task, left, gone, return_exceptions=True)
-    if not task.cancelled():
-        return task.result()
-    raise _ReplicaGone() if gone.done() and not gone.cancelled() else _ClientLeft()
+    done, result = await first_of(work, wait_for_disconnect(request), replica.gone.wait())
+    if done:
+        return result
+    raise _ReplicaGone() if replica.gone.is_set() else _ClientLeft()
 
 
 async def _relay(routing: RoutingPolicy, replica: Replica,
                  answer: httpx.Response) -> AsyncIterator[bytes]:
     """A replica's event stream, passed through; if the replica fails or goes out of service
-    mid-stream, an error event and the end of the stream (a client never waits on a dead or
-    stuck replica)."""
-    pieces = answer.aiter_raw()
-    gone = asyncio.ensure_future(replica.gone.wait())
+    mid-stream (the answer is then closed under the read), an error event and the end of
+    the stream: a client never waits on a dead or stuck replica."""
+    closer = asyncio.ensure_future(_close_when_gone(replica, answer))
     try:
-        while True:
-            read = asyncio.ensure_future(pieces.__anext__())
-            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not read.done():
-                read.cancel()
-                await asyncio.gather(read, return_exceptions=True)
-                raise _ReplicaGone()
-            try:
-                piece = read.result()
-            except StopAsyncIteration:
-                return
+        async for piece in answer.aiter_raw():
             yield piece
-    except (_ReplicaGone, httpx.HTTPError) as error:
-        failure = APIError(502, f"data-parallel replica {replica.index} failed mid-stream: "
-                                f"{_why(routing, replica, error)}")
+    except httpx.HTTPError as error:
+        failure = _failure(routing, replica, error, " mid-stream")
         yield f"data: {failure.body().model_dump_json()}\n\ndata: [DONE]\n\n".encode()
     finally:
-        gone.cancel()
+        closer.cancel()
         replica.in_flight -= 1
         await answer.aclose()
 
 
-def _why(routing: RoutingPolicy, replica: Replica, error: Exception) -> str:
-    """What a failed exchange with a replica says: why it is out of service, or the error."""
+async def _close_when_gone(replica: Replica, answer: httpx.Response) -> None:
+    await replica.gone.wait()
+    await answer.aclose()
+
+
+def _failure(routing: RoutingPolicy, replica: Replica, error: Exception,
+             when: str = "") -> APIError:
+    """The 502 of a failed exchange with a replica, which first goes out of service if its
+    process ended: why it is out of service, else the kind of error."""
     _check(routing, replica)
-    return replica.error if isinstance(error, _ReplicaGone) else type(error).__name__
+    reason = replica.error or type(error).__name__
+    return APIError(502, f"data-parallel replica {replica.index} failed{when}: {reason}")
 
 
 def _check(routing: RoutingPolicy, replica: Replica) -> None:

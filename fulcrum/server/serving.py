@@ -301,24 +301,33 @@ async def wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
+async def first_of(work: Awaitable[T], *stops: Awaitable[Any]) -> Tuple[bool, Optional[T]]:
+    """(True, `work`'s result), or (False, None) if one of `stops` ends first, `work` then
+    cancelled; what `work` or a stop raises is raised. Nothing is left running either way."""
+    task = asyncio.ensure_future(work)
+    watchers = [asyncio.ensure_future(stop) for stop in stops]
+    try:
+        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (task, *watchers):
+            waiter.cancel()
+        await asyncio.gather(task, *watchers, return_exceptions=True)
+    for watcher in watchers:
+        if not watcher.cancelled() and watcher.exception() is not None:
+            raise watcher.exception()
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
 async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -> bool:
     """Run `work`, cancelling it if the client hangs up first; True if it completed.
 
     Streaming responses get this from Starlette; a plain response needs it so that a client
     that gives up on a long completion does not keep its requests running.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        return False
-    task.result()
-    return True
+    completed, _ = await first_of(work, wait_for_disconnect(raw_request))
+    return completed
 
 
 # ------------------------------------------------------------------ serving
