@@ -16,7 +16,7 @@ from fulcrum.metrics import EngineMetrics, Metric, snapshot
 from fulcrum.outputs import RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
 from fulcrum.stats import StepReport
-from fulcrum.tokenizer import Tokenizer
+from fulcrum.tokenizer import CHAT_ROLES, Tokenizer
 
 Messages = List[Dict[str, Any]]
 
@@ -113,6 +113,9 @@ class LLM:
         `continue_final_message`: the last message stays open and the answer continues it
         (with add_generation_prompt=False, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            raise ValueError("LLM.chat needs a conversation (a list of messages), got none")
+        _check_tools(tools)
         tokenizer = self.get_tokenizer()
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         params_list = self._params_per_prompt(sampling_params, len(conversations))
@@ -186,9 +189,9 @@ def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
     form) joined one part a line, as the server and vLLM join them."""
     if not isinstance(message, dict):
         raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
-    if not isinstance(message.get("role"), str) or not message["role"]:
-        raise ValueError(f"a chat message needs a role (system, user, assistant, tool), "
-                         f"got {message.get('role')!r}")
+    if message.get("role") not in CHAT_ROLES:
+        raise ValueError(f"a chat message's role must be one of {', '.join(CHAT_ROLES)} (as "
+                         f"on the server), got {message.get('role')!r}")
     content = message.get("content")
     if content is not None and not isinstance(content, (str, list)):
         raise ValueError(f"a chat message's content must be text or a list of text parts, "
@@ -205,12 +208,24 @@ def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
     return {**message, "content": "\n".join(texts)}
 
 
+def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
+    """Tools in OpenAI's form, as the server takes them: {"type": "function", "function":
+    {"name": ..., ...}}; the chat template would render anything else as it came."""
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError('a tool must be {"type": "function", "function": {"name": ..., '
+                             f'"parameters": ...}}}} (OpenAI\'s form), got {str(tool)[:80]}')
+
+
 def _as_prompt_list(prompts) -> List[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, (bytes, bytearray)):  # list() would make its bytes token ids
-        raise TypeError("a prompt must be a string, a list of token ids or a dict, got "
-                        f"{type(prompts).__name__}")
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        # bytes: list() would make them token ids
+        raise TypeError("prompts must be a string, a list of token ids, a dict or a list of "
+                        f"those, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]  # a single prompt given as token ids

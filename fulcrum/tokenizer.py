@@ -83,6 +83,8 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 # transformers' marker for continue_final_message: appended to the final message, looked for
 # in the rendered chat, cut there.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The roles a chat message may have (OpenAI's), on the server and offline alike.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _open_final_message(render: Callable[[List[Dict[str, Any]]], str],

@@ -325,9 +325,13 @@ def test_chat_refuses_a_conversation_too_long_to_tokenize_unless_its_end_is_kept
     assert "<|im_start|>assistant\n".endswith(output.prompt)  # its last 7 tokens
 
 
+ROLE = "a chat message's role must be one of system, developer, user, assistant, tool"
+
+
 @pytest.mark.parametrize("message, error", [
-    ({"content": "hi"}, "a chat message needs a role"),
-    ({"role": "", "content": "hi"}, "a chat message needs a role"),
+    ({"content": "hi"}, ROLE),
+    ({"role": "", "content": "hi"}, ROLE),
+    ({"role": "wizard", "content": "hi"}, ROLE + r" \(as on the server\), got 'wizard'"),
     ({"role": "user", "content": 5}, "content must be text or a list of text parts, got int"),
 ])
 def test_chat_refuses_messages_the_template_cannot_render(llm, message, error):
@@ -336,3 +340,19 @@ def test_chat_refuses_messages_the_template_cannot_render(llm, message, error):
     (output,) = llm.chat([{"role": "assistant", "content": None},
                           {"role": "user", "content": "hi"}], greedy(1), use_tqdm=False)
     assert output.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("tools", [[{"x": 1}], [{"type": "function", "function": {}}],
+                                   [{"type": "retrieval", "function": {"name": "f"}}], ["f"]])
+def test_chat_refuses_tools_not_in_openais_form(llm, tools):
+    with pytest.raises(ValueError, match='a tool must be {"type": "function", "function"'):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False, tools=tools)
+    with pytest.raises(ValueError, match="LLM.chat needs a conversation"):
+        llm.chat([], greedy(1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5])
+def test_generate_names_what_it_takes(llm, prompts):
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, a dict "
+                                        "or a list of those, got"):
+        llm.generate(prompts, greedy(1), use_tqdm=False)

@@ -476,16 +476,16 @@ def test_a_row_with_nothing_to_sample_is_the_requests_fault_unless_the_model_is(
         constrained = row("x", allowed_token_ids=[2], **params)
         constrained.bad_words_token_ids = [[2]]
         why = failure(torch.tensor([[1.0, 2.0, 3.0]]), constrained)
-        assert isinstance(why, RequestFault) and "request x: no token can be sampled" in why
+        assert isinstance(why, RequestFault) and why.startswith("no token can be sampled")
         # NaN from the model itself, under a request's penalties: the engine's fault.
         why = failure(torch.tensor([[1.0, math.nan, 3.0]]),
                       row("y", prompt=[1], presence_penalty=1.0, **params))
-        assert why == "request y: the model's logits are not finite"
+        assert why == "the model's logits are not finite"
         assert not isinstance(why, RequestFault)
     # A sampled (not greedy) row of untouched NaN or +inf logits lands outside the vocabulary.
     for bad in (torch.full((1, 3), math.nan), torch.tensor([[0.0, math.inf, 1.0]])):
         why = failure(bad, row("z", temperature=1.0, seed=1))
-        assert why == "request z: the model's logits are not finite"
+        assert why == "the model's logits are not finite"
     # Unchanged logits rule nothing out: a greedy row takes its argmax, as torch.argmax and
     # vLLM would (a NaN's index included).
     sampler = Sampler(0, CPU)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
-from fulcrum.tokenizer import lone_surrogate
+from fulcrum.tokenizer import CHAT_ROLES, lone_surrogate
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -322,7 +322,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made

@@ -100,7 +100,7 @@ class Sampler:
         if changed is not None:
             chosen = changed.gather(1, tokens.clamp(0, vocab - 1).view(-1, 1)).view(-1).tolist()
             bad |= {i for i, value in enumerate(chosen) if not math.isfinite(value)}
-        return {i: _why_nothing(given[i], rows[i].request_id) for i in sorted(bad)}
+        return {i: _why_nothing(given[i]) for i in sorted(bad)}
 
     # ------------------------------------------------------- token controls
     @staticmethod
@@ -212,13 +212,14 @@ class Sampler:
         return logprob_entries(raw[row:row + 1], [token], num_top)[0]
 
 
-def _why_nothing(logits: torch.Tensor, request_id: str) -> str:
+def _why_nothing(logits: torch.Tensor) -> str:
     """The engine's fault where the model's own logits hold a NaN or +inf (masks only add
-    -inf), else the request's."""
+    -inf), else the request's. (Callers name the request: an engine child's id, as in
+    "0_cmpl-...", would not be the one its client knows.)"""
     if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
-        return f"request {request_id}: the model's logits are not finite"
-    return RequestFault(f"request {request_id}: no token can be sampled: its constraints "
-                        "and penalties leave none with a finite logit")
+        return "the model's logits are not finite"
+    return RequestFault("no token can be sampled: its constraints and penalties leave none "
+                        "with a finite logit")
 
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
