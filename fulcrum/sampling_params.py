@@ -26,6 +26,15 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 
 
+class ParamError(ValueError):
+    """A parameter that cannot be honoured; `param` names it, which the server's 400 puts in
+    OpenAI's `param` field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def is_int(value: object) -> bool:
     """A Python integer, not a bool (True is an int to isinstance)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -176,7 +185,7 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be a list, got {value!r}")
+                raise ParamError(name, f"{name} must be a list, got {value!r}")
             setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
@@ -185,7 +194,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def fail(name: str, rule: str) -> None:
-            raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+            raise ParamError(name, f"{name} {rule}, got {getattr(self, name)!r}")
 
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
@@ -228,17 +237,18 @@ class SamplingParams:
                     value, (int, float)) or not 0 < value < 1e9):
                 fail(name, "must be a positive number of milliseconds")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings, more than the "
+            raise ParamError("stop", f"stop has {len(self.stop)} strings, more than the "
                              f"{MAX_STOP_STRINGS} allowed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+            raise ParamError(
+                "stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids, more than the "
-                             f"{MAX_STOP_TOKEN_IDS} allowed")
+            raise ParamError("stop_token_ids", f"stop_token_ids has {len(self.stop_token_ids)} "
+                             f"ids, more than the {MAX_STOP_TOKEN_IDS} allowed")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise ParamError("stop_token_ids", "stop_token_ids must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams")
@@ -246,17 +256,20 @@ class SamplingParams:
     def _verify_token_controls(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError("logit_bias must map token ids to biases")
+                raise ParamError("logit_bias", "logit_bias must map token ids to biases")
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, more than the "
-                                 f"{MAX_LOGIT_BIAS_ENTRIES} allowed")
+                raise ParamError(
+                    "logit_bias", f"logit_bias has {len(self.logit_bias)} entries, more than the "
+                    f"{MAX_LOGIT_BIAS_ENTRIES} allowed")
             bias = {}
             for token, value in self.logit_bias.items():
                 if not is_int(token) or token < 0:
-                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                    raise ParamError(
+                        "logit_bias", f"logit_bias keys must be token ids, got {token!r}")
                 if isinstance(value, bool) or not isinstance(value, (int, float)) \
                         or not math.isfinite(value):
-                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r}")
+                    raise ParamError(
+                        "logit_bias", f"logit_bias values must be finite numbers, got {value!r}")
                 bias[token] = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
@@ -264,30 +277,36 @@ class SamplingParams:
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_STOP_STRINGS \
                     or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-                raise ValueError(f"bad_words must be a list of at most {MAX_STOP_STRINGS} "
-                                 "non-blank strings")
+                raise ParamError(
+                    "bad_words", f"bad_words must be a list of at most {MAX_STOP_STRINGS} "
+                    "non-blank strings")
             if any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
-                raise ValueError(f"bad_words must be at most {MAX_STOP_STRING_CHARS} "
+                raise ParamError("bad_words", f"bad_words must be at most {MAX_STOP_STRING_CHARS} "
                                  "characters each")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer, got "
-                             f"{self.prompt_logprobs!r}")
+            raise ParamError(
+                "prompt_logprobs", f"prompt_logprobs must be a non-negative integer, got "
+                f"{self.prompt_logprobs!r}")
         if self.truncate_prompt_tokens is not None and (
                 not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
                 or self.truncate_prompt_tokens < -1):
-            raise ValueError("truncate_prompt_tokens must be a positive integer or -1 (the "
-                             f"maximum model length), got {self.truncate_prompt_tokens!r}")
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be a positive "
+                             "integer or -1 (the maximum model length), got "
+                             f"{self.truncate_prompt_tokens!r}")
 
     def _check_allowed_token_ids(self) -> None:
         ids = self.allowed_token_ids
         if not isinstance(ids, list) or not ids:
-            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            raise ParamError(
+                "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
         if len(ids) > MAX_ALLOWED_TOKEN_IDS:
-            raise ValueError(f"allowed_token_ids has {len(ids)} entries; at most "
-                             f"{MAX_ALLOWED_TOKEN_IDS} allowed")
+            raise ParamError(
+                "allowed_token_ids", f"allowed_token_ids has {len(ids)} entries; at most "
+                f"{MAX_ALLOWED_TOKEN_IDS} allowed")
         if not all(is_int(t) and t >= 0 for t in ids):
-            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            raise ParamError(
+                "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
         self.allowed_token_ids = list(dict.fromkeys(ids))  # the mask is built every step
 
     @property

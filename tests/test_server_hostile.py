@@ -517,6 +517,19 @@ def test_bad_request_is_refused(server, case):
     assert_healthy(server)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("min_tokens", -1), ("seed", 2**64), ("temperature", -1), ("top_k", -2),
+    ("stop", [""]), ("bad_words", [" "]), ("truncate_prompt_tokens", 0),
+    ("allowed_token_ids", []), ("prompt_logprobs", -1), ("logit_bias", {"x": 1.0})])
+def test_a_refused_sampling_parameter_is_named_in_param(server, field, value):
+    """OpenAI's error body names the field at fault: clients point at it."""
+    response = httpx.post(server.url + COMPLETIONS, timeout=TIMEOUT,
+                          json={"prompt": "x", "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"], error
+
+
 # Values exactly at the limits: (case id, route, fields, number of choices).
 BOUNDARY = [
     ("seed-int64-max", COMPLETIONS, dict(seed=2**63 - 1), 1),

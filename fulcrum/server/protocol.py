@@ -13,19 +13,11 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
+from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.tokenizer import CHAT_ROLES, lone_surrogate
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
-
-
-class FieldError(ValueError):
-    """A malformed request field: the 400 names it in `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def lone_surrogate_at(value: Any) -> Optional[str]:
@@ -55,7 +47,7 @@ class RequestBody(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         where = lone_surrogate_at(data)
         if where is not None:
-            raise FieldError(where.split(".")[0],
+            raise ParamError(where.split(".")[0],
                              f"{where} is not valid Unicode: it holds a lone surrogate")
         return data
 
@@ -158,7 +150,7 @@ class SamplingRequest(RequestBody):
             # ASCII digits only: int() also takes "²", "①" or "1_0", and fails on 4,300 digits.
             digits = token[1:] if token.startswith("-") else token
             if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
-                raise FieldError("logit_bias",
+                raise ParamError("logit_bias",
                                  f"logit_bias keys must be token ids, got {token[:40]!r}")
             biases[int(token)] = value
         return biases
@@ -173,11 +165,11 @@ class SamplingRequest(RequestBody):
         elif kind == "json_schema":
             spec = self.response_format.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
-                raise FieldError("response_format", "response_format of type 'json_schema' "
+                raise ParamError("response_format", "response_format of type 'json_schema' "
                                  "needs json_schema.schema")
             given["response_format"] = {"json": spec["schema"]}
         elif kind != "text":
-            raise FieldError("response_format", "response_format type must be 'text', "
+            raise ParamError("response_format", "response_format type must be 'text', "
                              f"'json_object' or 'json_schema', got {kind!r}")
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs
@@ -185,7 +177,7 @@ class SamplingRequest(RequestBody):
             if getattr(self, name) is not None:
                 given[name] = {field: getattr(self, name)}
         if len(given) > 1:
-            raise FieldError(list(given)[1], "at most one output constraint per request; got "
+            raise ParamError(list(given)[1], "at most one output constraint per request; got "
                              f"{', '.join(given)}")
         if not given:
             return None
@@ -194,10 +186,10 @@ class SamplingRequest(RequestBody):
             return StructuredOutputsParams(**fields)
         except TypeError:
             known = ", ".join(StructuredOutputsParams.__dataclass_fields__)
-            raise FieldError(name, f"{name} takes only {known}; got "
+            raise ParamError(name, f"{name} takes only {known}; got "
                              f"{', '.join(fields)}") from None
         except ValueError as error:
-            raise FieldError(name, f"{name}: {error}") from None
+            raise ParamError(name, f"{name}: {error}") from None
 
     def ignored_fields(self) -> List[str]:
         """Unknown fields the request carried (logged by the server, as vLLM does)."""
