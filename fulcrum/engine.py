@@ -32,7 +32,7 @@ from fulcrum.worker.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
 from fulcrum.outputs import RequestOutput
 from fulcrum.core.request import Request, RequestStatus, SloTargets
-from fulcrum.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_int
+from fulcrum.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingParams, is_int
 from fulcrum.core.scheduler import Scheduler
 from fulcrum.core.scheduling_policy import derived_targets
 from fulcrum.stats import FinishedRequest, StepStats
@@ -312,13 +312,13 @@ class LLMEngine:
         if len(token_ids) > limit:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, more than the maximum "
                              f"model length of {limit} tokens")
-        self._check_token_ids("prompt token id", token_ids)
+        self._check_token_ids("prompt", "prompt token id", token_ids)
 
-    def _check_token_ids(self, what: str, token_ids: Iterable[int]) -> None:
+    def _check_token_ids(self, param: str, what: str, token_ids: Iterable[int]) -> None:
         bad = [t for t in token_ids if not is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{what} {bad[0]} is out of vocabulary (valid ids are 0.."
-                             f"{self.vocab_size - 1})")
+            raise ParamError(param, f"{what} {bad[0]} is out of vocabulary (valid ids are 0.."
+                                    f"{self.vocab_size - 1})")
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Check a request's parameters against this model and the engine's limits; return
@@ -326,15 +326,14 @@ class LLMEngine:
         a prompt + max_tokens over max_model_len is refused, as vLLM's and OpenAI's servers do."""
         config = self.config
         if params.n > config.max_n:
-            raise ValueError(f"n must be at most {config.max_n} (max_n), got {params.n}")
+            raise ParamError("n", f"n must be at most {config.max_n} (max_n), got {params.n}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > config.max_logprobs:
-                raise ValueError(f"{name} must be at most {config.max_logprobs} (max_logprobs), "
-                                 f"got {value}")
-        self._check_token_ids("stop_token_ids: token id", params.stop_token_ids)
-        self._check_token_ids("logit_bias: token id", params.logit_bias or ())
-        self._check_token_ids("allowed_token_ids: token id", params.allowed_token_ids or ())
+                raise ParamError(name, f"{name} must be at most {config.max_logprobs} "
+                                       f"(max_logprobs), got {value}")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            self._check_token_ids(name, f"{name}: token id", getattr(params, name) or ())
         if params.structured_outputs is not None:
             self.grammar_compiler.parse(params.structured_outputs)
         limit = config.max_model_len
@@ -347,15 +346,16 @@ class LLMEngine:
                 f"{num_prompt_tokens + max(max_tokens, 1)} were requested; shorten the prompt "
                 "or lower max_tokens")
         if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} "
-                             "tokens this request may generate")
+            raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) is more than the "
+                                           f"{max_tokens} tokens this request may generate")
         if params.min_tokens and params.allowed_token_ids:
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stops |= self.tokenizer.eos_token_ids
             if stops.issuperset(params.allowed_token_ids):
-                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens "
-                                 "holds back: no token could be generated")
+                raise ParamError("allowed_token_ids", "allowed_token_ids holds only stop "
+                                 "tokens, which min_tokens holds back: no token could be "
+                                 "generated")
         # The cache holds at least max_model_len tokens (checked when it is sized), so a
         # request that passes here always fits once it has the cache to itself.
         return max_tokens
@@ -365,7 +365,7 @@ class LLMEngine:
         """The prompt's cache_salt (vLLM's field of prompt dicts), checked."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError("cache_salt must be a non-empty string")
+            raise ParamError("cache_salt", "cache_salt must be a non-empty string")
         return salt
 
     def validate_priority(self, priority: int) -> None:

@@ -520,7 +520,10 @@ def test_bad_request_is_refused(server, case):
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("min_tokens", -1), ("seed", 2**64), ("temperature", -1), ("top_k", -2),
     ("stop", [""]), ("bad_words", [" "]), ("truncate_prompt_tokens", 0),
-    ("allowed_token_ids", []), ("prompt_logprobs", -1), ("logit_bias", {"x": 1.0})])
+    ("allowed_token_ids", []), ("prompt_logprobs", -1), ("logit_bias", {"x": 1.0}),
+    ("n", 129), ("logprobs", 21), ("prompt_logprobs", 21), ("stop_token_ids", [VOCAB]),
+    ("logit_bias", {str(VOCAB): 1.0}), ("allowed_token_ids", [VOCAB]), ("min_tokens", 3),
+    ("cache_salt", "")])
 def test_a_refused_sampling_parameter_is_named_in_param(server, field, value):
     """OpenAI's error body names the field at fault: clients point at it."""
     response = httpx.post(server.url + COMPLETIONS, timeout=TIMEOUT,
