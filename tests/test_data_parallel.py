@@ -198,7 +198,8 @@ def _answering_app() -> FastAPI:
 def test_a_stuck_replica_is_taken_out_and_its_requests_fail(alive):
     """A replica that lives but answers nothing (a socket nobody accepts on): its /health
     probe times out, the request waiting there gets a 502 naming why, streams an error
-    event, and with no replica left the router says so (on_all_down)."""
+    event, the replica is ended, and with no replica left the router says so
+    (on_all_down)."""
     stuck = socket.socket()
     stuck.bind(("127.0.0.1", 0))
     stuck.listen(64)  # connections complete in the kernel; no answer ever comes
@@ -225,6 +226,8 @@ def test_a_stuck_replica_is_taken_out_and_its_requests_fail(alive):
             health = httpx.get(f"{server.url}/health")
             assert health.status_code == 503
             assert health.json()["replicas"][0]["error"] == "it answered no /health for 1 s"
+            alive.join(5)  # and it was ended, its memory and cores given back
+            assert alive.exitcode == -9
     finally:
         stuck.close()
 

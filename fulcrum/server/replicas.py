@@ -62,6 +62,7 @@ class Replica:
     index: int
     url: str
     handle: Any  # a multiprocessing.Process, or a Ray actor's run() reference
+    actor: Any = None  # the Ray actor, if one
     in_flight: int = 0
     served: int = 0
     error: Optional[str] = None  # why it is out of service
@@ -87,6 +88,16 @@ class Replica:
     @property
     def healthy(self) -> bool:
         return self.error is None
+
+    def kill(self) -> None:
+        """End a replica that answers nothing any more, so that its memory and cores come
+        back (SIGKILL: a stopped process does not act on SIGTERM until it is continued)."""
+        if isinstance(self.handle, multiprocessing.process.BaseProcess):
+            self.handle.kill()
+        elif self.actor is not None:
+            import ray
+
+            ray.kill(self.actor)
 
 
 @dataclass
@@ -174,7 +185,8 @@ def _start_ray(args: argparse.Namespace, count: int) -> ReplicaSet:
         host = "127.0.0.1" if local else "0.0.0.0"  # another machine's: the router must reach it
         run = actor.serve.remote(replica_args(args, index, host, port,
                                               shares[index] if local else None))
-        replicas.append(Replica(index, f"http://{'127.0.0.1' if local else ip}:{port}", run))
+        replicas.append(Replica(index, f"http://{'127.0.0.1' if local else ip}:{port}", run,
+                                actor=actor))
     return ReplicaSet(replicas, actors, owns_ray)
 
 

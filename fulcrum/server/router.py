@@ -366,13 +366,14 @@ async def _monitor(routing: RoutingPolicy, on_all_down: Optional[Callable[[], No
 async def _probe_health(client: httpx.AsyncClient, routing: RoutingPolicy, replica: Replica,
                         timeout: float) -> None:
     """Take a replica that lives but answers no /health within `timeout` out of service
-    (stopped, deadlocked, swapped out): its process looks fine, and what the router has open
-    there would wait for ever."""
+    (stopped, deadlocked, swapped out), and end it: its process looks fine, what the router
+    has open there would wait for ever, and it holds its share of memory and cores."""
     while replica.healthy:
         try:
             await client.get(f"{replica.url}/health", timeout=timeout)
         except httpx.TimeoutException:
             routing.take_out(replica, f"it answered no /health for {timeout:g} s")
+            replica.kill()
         except httpx.HTTPError:
             _check(routing, replica)
         await asyncio.sleep(HEALTH_INTERVAL_S)
