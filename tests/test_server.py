@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -518,6 +519,20 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
                                      "{{ '-' * 3 }}{{ [1] * 2 }}{{ 2 ** 10 }}"})
         assert fine.status_code == 200 and fine.json()["usage"]["prompt_tokens"] == len(
             "---[1, 1]1024")
+        # A slow template renders on a thread of its own: the server answers meanwhile.
+        slow = "{% for i in range(100000) %}{% for j in range(200) %}{% endfor %}{% endfor %}ok"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, url, timeout=120, json={
+                "messages": CHAT, "max_tokens": 1, "chat_template": slow})
+            waits = []
+            while not pending.done():
+                start = time.monotonic()
+                assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+                waits.append(time.monotonic() - start)
+                time.sleep(0.05)
+            answer = pending.result()
+        assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 2
+        assert len(waits) >= 5 and max(waits) < 0.5, waits
 
 
 def test_stream_events_stay_one_line_whatever_the_text():

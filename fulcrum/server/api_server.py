@@ -208,7 +208,7 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
             raise bad_request("give exactly one of prompt and messages")
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-            _, tokens = serving.render_chat(
+            _, tokens = await serving.render_chat(
                 request.messages, request.add_generation_prompt, tools=tools,
                 continue_final_message=request.continue_final_message)
         else:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -330,8 +332,37 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[None]) -
     return completed
 
 
+async def in_own_thread(function: Callable[[], T]) -> T:
+    """`function()` on a thread of its own while the event loop serves on (other streams,
+    /health): a chat template may take long (a trusted request's own template may loop for
+    minutes), as may tokenizing a huge conversation. vLLM renders off the loop too. A daemon
+    thread: one that never ends must not keep the process from exiting."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if future.done():  # the caller left
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome = (function(), None)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome = (None, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, daemon=True, name="fulcrum-render").start()
+    return await future
+
+
 # ------------------------------------------------------------------ serving
 ChunkMaker = Callable[[_Choice, _Delta], Optional[BaseModel]]  # None: nothing to send
+MAX_RENDERS = 8  # chat templates rendering at once (each on a thread of its own)
 
 
 def overloaded(error: QueueFullError) -> APIError:
@@ -341,7 +372,7 @@ def overloaded(error: QueueFullError) -> APIError:
 class OpenAIServing:
     """`trust_request_chat_template`: whether a request may bring its own chat template. Off
     by default, as in vLLM: the sandbox keeps a template from reaching the host, but not from
-    looping for minutes on the event loop."""
+    looping for minutes (on a thread of its own, which the server serves on beside)."""
 
     def __init__(self, async_llm: AsyncLLM, model_names: Sequence[str],
                  trust_request_chat_template: bool = False, log_requests: bool = False,
@@ -358,6 +389,7 @@ class OpenAIServing:
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
+        self._renders = asyncio.Semaphore(MAX_RENDERS)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.model_names:
@@ -437,7 +469,7 @@ class OpenAIServing:
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: start the server with "
                                 "--trust-request-chat-template to allow it", "chat_template")
-        prompt = self.render_chat(request.messages, request.add_generation_prompt,
+        prompt = await self.render_chat(request.messages, request.add_generation_prompt,
                                   request.chat_template, request.chat_template_kwargs,
                                   request.tool_dicts, params.truncate_prompt_tokens,
                                   request.continue_final_message)
@@ -554,14 +586,23 @@ class OpenAIServing:
         return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function,
                                          request.parallel_tool_calls is not False)
 
-    def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
-                    chat_template: Optional[str] = None,
-                    template_kwargs: Optional[Dict[str, Any]] = None,
-                    tools: Optional[List[Dict[str, Any]]] = None,
-                    truncate: Optional[int] = None,
-                    continue_final_message: bool = False) -> EnginePrompt:
+    async def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
+                          chat_template: Optional[str] = None,
+                          template_kwargs: Optional[Dict[str, Any]] = None,
+                          tools: Optional[List[Dict[str, Any]]] = None,
+                          truncate: Optional[int] = None,
+                          continue_final_message: bool = False) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template (its last
-        `truncate` tokens, if given)."""
+        `truncate` tokens, if given), rendered off the event loop, MAX_RENDERS at once."""
+        async with self._renders:
+            return await in_own_thread(functools.partial(
+                self._render_chat, messages, add_generation_prompt, chat_template,
+                template_kwargs, tools, truncate, continue_final_message))
+
+    def _render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool,
+                     chat_template: Optional[str], template_kwargs: Optional[Dict[str, Any]],
+                     tools: Optional[List[Dict[str, Any]]], truncate: Optional[int],
+                     continue_final_message: bool) -> EnginePrompt:
         tokenizer = self.llm.tokenizer
         kwargs = dict(template_kwargs or {})
         if tools:
