@@ -61,12 +61,19 @@ class RoutingPolicy:
         self.tree = PrefixTree()
         self._turn = itertools.count()
 
-    def pick(self, text: Optional[str], refused: Sequence[Replica] = ()) -> Replica:
-        """The replica for a request of `text` (None: no text), of those in service that
-        have not `refused` its connection."""
+    def in_service(self, refused: Sequence[Replica] = ()) -> List[Replica]:
+        """The replicas in service that have not `refused` a request's connection; an
+        APIError if none is left."""
         healthy = [r for r in self.replicas if r.healthy and r not in refused]
         if not healthy:
-            raise _nowhere(refused)
+            if refused:
+                raise APIError(502, "no data-parallel replica took the connection")
+            raise APIError(503, "no data-parallel replica is in service")
+        return healthy
+
+    def pick(self, text: Optional[str], refused: Sequence[Replica] = ()) -> Replica:
+        """The replica for a request of `text` (None: no text)."""
+        healthy = self.in_service(refused)
         if self.name == "round_robin" or text is None:
             choice = healthy[next(self._turn) % len(healthy)]
             choice.served += 1
@@ -99,12 +106,6 @@ async def _metrics_page(client: httpx.AsyncClient,
         if answer.status_code == 200:
             return replica.index, answer.text
     return replica.index, None
-
-
-def _nowhere(refused: Sequence[Replica]) -> APIError:
-    if refused:
-        return APIError(502, "no data-parallel replica took the connection")
-    return APIError(503, "no data-parallel replica is in service")
 
 
 def routing_text(path: str, body: bytes) -> Optional[str]:
@@ -232,13 +233,10 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def anything_else(path: str, request: Request) -> Response:
-        def first_in_service(refused: Sequence[Replica]) -> Replica:  # the dashboard's
-            replica = next((r for r in replicas if r.healthy and r not in refused), None)
-            if replica is None:  # polls see one engine
-                raise _nowhere(refused)
-            return replica
-        answer, _ = await _forward_to_one(client, routing, first_in_service, request,
-                                          await request.body())
+        # The first replica in service answers (the dashboard's polls see one engine).
+        answer, _ = await _forward_to_one(client, routing,
+                                          lambda refused: routing.in_service(refused)[0],
+                                          request, await request.body())
         return answer
 
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)

@@ -219,7 +219,8 @@ def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
                        [None] * len(delta.prompt_token_ids)))
     for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
         chosen = entry[token_id] if entry else None
-        result.tokens.append(_token_name(token_id, chosen, as_ids, decode))
+        text = _token_name(token_id, chosen, False, decode)
+        result.tokens.append(_token_name(token_id, chosen, True, decode) if as_ids else text)
         result.token_logprobs.append(_json_logprob(chosen.logprob) if chosen else None)
         top: Optional[Dict[str, float]] = None
         if entry:
@@ -229,7 +230,7 @@ def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
                 top.setdefault(_token_name(tid, lp, as_ids, decode), _json_logprob(lp.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(max(offset, 0))
-        offset += len(_token_name(token_id, chosen, False, decode))
+        offset += len(text)
     return result
 
 
@@ -420,16 +421,17 @@ class OpenAIServing:
             if request.logprobs is not None:
                 logprobs = _legacy_logprobs(delta, decode, request.return_tokens_as_token_ids)
             asked = request.prompt_logprobs is not None
-            ids = request.return_token_ids
+            with_ids = request.return_token_ids
             prompt_ids = None
-            if ids and c.index not in ids_sent:
+            if with_ids and c.index not in ids_sent:
                 prompt_ids = generation.prompt_ids[c.index // generation.n]
                 ids_sent.add(c.index)
             return CompletionChoice(
                 index=c.index, text=delta.text, logprobs=logprobs,
                 prompt_logprobs=_prompt_logprobs(delta.new_prompt_logprobs) if asked else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                token_ids=list(delta.token_ids) if ids else None, prompt_token_ids=prompt_ids)
+                token_ids=list(delta.token_ids) if with_ids else None,
+                prompt_token_ids=prompt_ids)
 
         outputs = self._generate(prompts, params, ids.engine, request)
         return await self._respond(

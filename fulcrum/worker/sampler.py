@@ -70,7 +70,7 @@ class Sampler:
                 tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
         token_list = tokens.tolist()
         failures = self._check_chosen(given, logits if masked or logits is not given else None,
-                                      tokens, token_list, rows)
+                                      tokens, token_list)
         sampled = [None if i in failures else
                    SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
                    for i, (t, r) in enumerate(zip(token_list, rows))]
@@ -80,8 +80,7 @@ class Sampler:
 
     @staticmethod
     def _check_chosen(given: torch.Tensor, changed: Optional[torch.Tensor],
-                      tokens: torch.Tensor, token_list: List[int],
-                      rows: List[SamplingRow]) -> Dict[int, str]:
+                      tokens: torch.Tensor, token_list: List[int]) -> Dict[int, str]:
         """The rows that chose a token their logits rule out, and why: a row whose constraints
         exclude every token (a grammar that no text matches, allowed_token_ids all in
         bad_words), or whose penalty overflowed its logits to inf or NaN, has nothing to
