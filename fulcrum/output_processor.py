@@ -114,9 +114,14 @@ class OutputProcessor:
         # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
         stop = child.detokenizer.update(
             new_ids, request.num_output_tokens > request.sampling_params.min_tokens)
-        if stop is None or request.is_finished:
-            return False
+        if stop is None or request.status is RequestStatus.FINISHED_STOPPED:
+            return False  # a stop token (or grammar) ended it first: the token is the reason
         request.stop_reason = stop
+        if request.status is RequestStatus.FINISHED_LENGTH:
+            # Its last allowed token completed the stop string: the text ends there, so the
+            # string is why it ended (as in vLLM, whose stop strings outrank the length).
+            request.status = RequestStatus.FINISHED_STOPPED
+            return False
         return True
 
     def add_prompt_logprobs(self, found: Dict[str, List[Dict[int, Logprob]]]) -> None:

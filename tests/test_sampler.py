@@ -336,6 +336,14 @@ def test_stop_string_ends_request_and_is_excluded(llm):
                       stop=[stop], include_stop_str_in_output=True)
     assert kept.text == text[:k + len(stop)]
     assert kept.finish_reason == "stop" and kept.stop_reason == stop
+    # The last token max_tokens allows completes the string: the string ended it (vLLM).
+    last = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=len(cut.token_ids),
+                      ignore_eos=True, stop=[stop])
+    assert (last.text, last.token_ids) == (cut.text, cut.token_ids)
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    short = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=len(cut.token_ids) - 1,
+                       ignore_eos=True, stop=[stop])
+    assert short.finish_reason == "length" and short.stop_reason is None
 
 
 def test_stop_token_id_ends_request(llm):
