@@ -94,6 +94,48 @@ def test_continuous_usage_stats_come_with_include_usage(client):
     assert usages(include_usage=True) == [None, None, None, 3]
 
 
+def test_continuous_usage_counts_each_choice_and_its_prompt(client, server):
+    """As vLLM's: a chunk's usage is its own choice's tokens so far over its own prompt; the
+    last chunk has the totals. A chat stream's first chunks (role, echo) count 0 tokens."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.completions.create(model=MODEL, prompt=["abc", "a longer prompt"],
+                                       max_tokens=3, n=2, temperature=0.0, stream=True,
+                                       extra_body=NO_EOS, stream_options=options)
+    chunks = list(stream)
+    *deltas, last = chunks
+    prompt_tokens = {}
+    counts = {}
+    for chunk in deltas:
+        (choice,) = chunk.choices
+        counts[choice.index] = counts.get(choice.index, 0) + 1
+        usage = chunk.usage
+        assert usage.completion_tokens == counts[choice.index]
+        prompt_tokens.setdefault(choice.index // 2, usage.prompt_tokens)
+        assert usage.prompt_tokens == prompt_tokens[choice.index // 2]
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert counts == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert prompt_tokens[0] < prompt_tokens[1]
+    assert last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens == prompt_tokens[0] + prompt_tokens[1]  # once a prompt
+
+    body = {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Once up"}],
+            "add_generation_prompt": False, "echo": True, "max_tokens": 2, "stream": True,
+            "temperature": 0.0, "ignore_eos": True, "stream_options": options}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    usages = [(e["choices"][0]["delta"].get("role") if e["choices"] else None,
+               e["choices"][0]["delta"].get("content") if e["choices"] else None,
+               e["usage"]["completion_tokens"]) for e in events]
+    assert usages[:2] == [("assistant", "", 0), (None, "Once up", 0)]
+    assert [count for *_, count in usages[2:]] == [1, 2, 2]
+    assert "prompt_tokens_details" not in events[0]["usage"] or \
+        events[0]["usage"]["prompt_tokens_details"] is None
+    assert events[0]["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0
+
+
 def test_chat_echo_starts_the_answer_with_the_message_it_continues(server):
     url = server.url + "/v1/chat/completions"
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once up"}]

@@ -171,7 +171,8 @@ class _Generation:
                                 prompt_token_ids=ids if echo else [])
                         for i, (text, ids) in enumerate(prompts) for j in range(n)]
         self.prompt_ids = [ids for _, ids in prompts]
-        self.cached_tokens = [0] * len(prompts)  # prompt tokens found in the prefix cache
+        # Prompt tokens found in the prefix cache; None until the prompt's first output.
+        self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
         self.cached_tokens[prompt_index] = output.num_cached_tokens
@@ -192,7 +193,20 @@ class _Generation:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
                          total_tokens=self.prompt_tokens + completion,
                          prompt_tokens_details=PromptTokensDetails(
-                             cached_tokens=sum(self.cached_tokens)))
+                             cached_tokens=sum(c or 0 for c in self.cached_tokens)))
+
+    def choice_usage(self, choice: _Choice) -> UsageInfo:
+        """continuous_usage_stats on a chunk of one choice: its prompt and its tokens so far
+        (vLLM's; the totals over all choices come in the usage chunk at the end). Before
+        the prompt's first output (a chat stream's first chunks) its cached tokens are not
+        known yet and go unsaid."""
+        prompt_index = choice.index // self.n
+        prompt, completion = len(self.prompt_ids[prompt_index]), len(choice.token_ids)
+        cached = self.cached_tokens[prompt_index]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=None if cached is None else
+                         PromptTokensDetails(cached_tokens=cached))
 
 
 def _json_logprob(value: float) -> float:
@@ -436,7 +450,8 @@ class OpenAIServing:
         outputs = self._generate(prompts, params, ids.engine, request)
         return await self._respond(
             request, raw_request, generation, outputs,
-            chunk=lambda c, d: response([choice(c, d)], self._running_usage(request, generation)),
+            chunk=lambda c, d: response([choice(c, d)],
+                                         self._running_usage(request, generation, c)),
             usage_chunk=lambda: response([], generation.usage()),
             final=lambda: response([choice(c, c.whole()) for c in generation.choices],
                                    generation.usage()))
@@ -516,7 +531,7 @@ class OpenAIServing:
                 index=c.index, delta=message, logprobs=logprobs(delta),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                 token_ids=list(delta.token_ids) if request.return_token_ids else None)],
-                self._running_usage(request, generation))
+                self._running_usage(request, generation, c))
 
         echo = request.echo_text
 
@@ -546,11 +561,13 @@ class OpenAIServing:
                                           prompt_token_ids=prompt_ids)
 
         roles = [chunk([ChatStreamChoice(index=c.index,
-                                         delta=DeltaMessage(role="assistant", content=""))])
+                                         delta=DeltaMessage(role="assistant", content=""))],
+                       self._running_usage(request, generation, c))
                  for c in generation.choices]
         roles[0].prompt_token_ids = prompt_ids
         if echo:
-            roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))])
+            roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))],
+                            self._running_usage(request, generation, c))
                       for c in generation.choices]
         outputs = self._generate([prompt], params, ids.engine, request)
         return await self._respond(
@@ -672,8 +689,9 @@ class OpenAIServing:
         return merge_streams(streams)
 
     @staticmethod
-    def _running_usage(request: SamplingRequest, generation: _Generation) -> Optional[UsageInfo]:
-        return generation.usage() if request.continuous_usage else None
+    def _running_usage(request: SamplingRequest, generation: _Generation,
+                       choice: _Choice) -> Optional[UsageInfo]:
+        return generation.choice_usage(choice) if request.continuous_usage else None
 
     async def _respond(self, request: SamplingRequest, raw_request: Request,
                        generation: _Generation,
