@@ -96,3 +96,24 @@ class IncrementalDetokenizer:
         if finished or not self.hold_back:
             return self.output_text
         return self.output_text[:max(0, len(self.output_text) - self.hold_back)]
+
+
+class TextOffsets:
+    """Where each token's text starts (OpenAI's logprobs `text_offset`), counted as the
+    detokenizer grows a request's text, from `start`: a token's own decode is no measure
+    (a SentencePiece token decoded alone loses its leading space; a byte of a multi-byte
+    character decodes to U+FFFD), so each offset is the length of the text before it, and
+    the bytes of one character all start where the character does."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool,
+                 context_ids: Sequence[int] = (), start: int = 0) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens), context_ids)
+        self._start = start
+
+    def add(self, token_ids: Sequence[int]) -> List[int]:
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._start + len(self._detokenizer.output_text))
+            self._detokenizer.update([token_id], check_stop=False)
+        return offsets

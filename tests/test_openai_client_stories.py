@@ -66,6 +66,26 @@ def test_prompt_logprobs_echo_and_truncation(client):
     assert cut.usage.prompt_tokens == 2
 
 
+def test_text_offsets_are_where_each_token_starts_in_the_text(client):
+    """OpenAI's text_offset: token i starts where the text of the first i tokens ends (a
+    SentencePiece token's own decode drops its leading space: offsets are not sums of
+    those), streamed as not; a multi-byte character's byte tokens all start where it does."""
+    whole = complete(client, logprobs=0).choices[0]
+    shorter = [len(complete(client, max_tokens=i).choices[0].text) for i in range(1, 8)]
+    assert whole.logprobs.text_offset == [0] + shorter
+    streamed = [offset for chunk in complete(client, logprobs=0, stream=True)
+                for choice in chunk.choices for offset in choice.logprobs.text_offset]
+    assert streamed == whole.logprobs.text_offset
+
+    # "日本": <s>, "▁", then each character's three byte tokens. The echoed prompt is the
+    # prompt's text, without <s>, whether or not the completion skips special tokens.
+    for skip in (True, False):
+        echoed = complete(client, prompt="日本", echo=True, logprobs=0, max_tokens=3,
+                          extra_body={"skip_special_tokens": skip}).choices[0]
+        assert echoed.text.startswith("日本")
+        assert echoed.logprobs.text_offset[:9] == [0, 0, 0, 0, 0, 1, 1, 1, 2]
+
+
 def test_structured_and_tools(client):
     schema = {"type": "object", "properties": {"name": {"enum": ["Lily", "Tom"]},
                                                "age": {"type": "integer", "minimum": 1,

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from fulcrum.detokenizer import TextOffsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.outputs import Logprob
@@ -38,6 +39,7 @@ from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      DeltaMessage, ErrorInfo, ErrorResponse,
                                      PromptLogprob, PromptTokensDetails, SamplingRequest,
                                      TokenLogprob, TopLogprob, UsageInfo)
+from fulcrum.tokenizer import Tokenizer
 
 T = TypeVar("T")
 EnginePrompt = Tuple[Optional[str], List[int]]
@@ -109,9 +111,11 @@ class _Delta:
     """What one engine output added to a choice, ready to send."""
 
     text: str
-    offset: int  # where the delta's first token starts in the choice's text
     token_ids: List[int]
     logprobs: List[Dict[int, Logprob]]
+    # Where each token (the echoed prompt's, then the delta's own) starts in the choice's text:
+    # tracked for the completions API's logprobs only.
+    text_offsets: List[int] = field(default_factory=list)
     # With echo and logprobs, the delta that carries the prompt carries its logprobs too.
     prompt_token_ids: List[int] = field(default_factory=list)
     prompt_logprobs: List[Optional[Dict[int, Logprob]]] = field(default_factory=list)
@@ -133,15 +137,21 @@ class _Choice:
     logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    offsets: Optional[TextOffsets] = None  # where given, text_offsets are kept
+    prompt_offsets: List[int] = field(default_factory=list)  # with echo and offsets
+    text_offsets: List[int] = field(default_factory=list)
 
     def add(self, completion: CompletionOutput) -> _Delta:
         echoing = not self.text
         text = (self.prefix if echoing else "") + completion.text
-        delta = _Delta(text, len(self.text) + len(text) - len(completion.text),
-                       list(completion.token_ids), list(completion.logprobs or []))
+        delta = _Delta(text, list(completion.token_ids), list(completion.logprobs or []))
+        offsets = self.offsets.add(delta.token_ids) if self.offsets else []
+        self.text_offsets.extend(offsets)
+        delta.text_offsets = offsets
         if echoing and self.prefix:
             delta.prompt_token_ids = self.prompt_token_ids
             delta.prompt_logprobs = self.prompt_logprobs or []
+            delta.text_offsets = self.prompt_offsets + offsets
         if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             delta.new_prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         self.text += text
@@ -153,23 +163,35 @@ class _Choice:
 
     def whole(self) -> _Delta:
         """Everything so far, as one delta (for a response that is not streamed)."""
-        delta = _Delta(self.text, len(self.prefix), self.token_ids, self.logprobs,
+        delta = _Delta(self.text, self.token_ids, self.logprobs, self.text_offsets,
                        new_prompt_logprobs=self.prompt_logprobs)
         if self.prefix:
             delta.prompt_token_ids = self.prompt_token_ids
             delta.prompt_logprobs = self.prompt_logprobs or []
+            delta.text_offsets = self.prompt_offsets + self.text_offsets
         return delta
 
 
 class _Generation:
-    """The choices of one API request, fed with the engine outputs of its prompts."""
+    """The choices of one API request, fed with the engine outputs of its prompts. With
+    `offsets` (a tokenizer and the request's skip_special_tokens), the choices keep their
+    tokens' text offsets: the echoed prompt's in its text, which holds no special tokens."""
 
-    def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False) -> None:
+    def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
+                 offsets: Optional[Tuple[Tokenizer, bool]] = None) -> None:
         self.n = n
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
-        self.choices = [_Choice(i * n + j, prefix=text if echo and text else "",
-                                prompt_token_ids=ids if echo else [])
-                        for i, (text, ids) in enumerate(prompts) for j in range(n)]
+        self.choices = []
+        for i, (text, ids) in enumerate(prompts):
+            prefix = text if echo and text else ""
+            prompt_offsets = []
+            if offsets and prefix:
+                prompt_offsets = TextOffsets(offsets[0], True).add(ids)
+            self.choices += [_Choice(i * n + j, prefix=prefix,
+                                     prompt_token_ids=ids if echo else [],
+                                     offsets=TextOffsets(*offsets, ids, len(prefix))
+                                     if offsets else None,
+                                     prompt_offsets=prompt_offsets) for j in range(n)]
         self.prompt_ids = [ids for _, ids in prompts]
         # Prompt tokens found in the prefix cache; None until the prompt's first output.
         self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
@@ -225,16 +247,13 @@ def _token_name(token_id: int, logprob: Optional[Logprob], as_id: bool,
 
 def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
                      as_ids: bool = False) -> CompletionLogprobs:
-    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none).
-    Text offsets count the tokens' text, whatever names them."""
-    result = CompletionLogprobs()
-    offset = delta.offset - sum(len(decode(t)) for t in delta.prompt_token_ids)
+    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none)."""
+    result = CompletionLogprobs(text_offset=list(delta.text_offsets))
     entries = list(zip(delta.prompt_token_ids, delta.prompt_logprobs or
                        [None] * len(delta.prompt_token_ids)))
     for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
         chosen = entry[token_id] if entry else None
-        text = _token_name(token_id, chosen, False, decode)
-        result.tokens.append(_token_name(token_id, chosen, True, decode) if as_ids else text)
+        result.tokens.append(_token_name(token_id, chosen, as_ids, decode))
         result.token_logprobs.append(_json_logprob(chosen.logprob) if chosen else None)
         top: Optional[Dict[str, float]] = None
         if entry:
@@ -243,8 +262,6 @@ def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
             for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank):
                 top.setdefault(_token_name(tid, lp, as_ids, decode), _json_logprob(lp.logprob))
         result.top_logprobs.append(top)
-        result.text_offset.append(max(offset, 0))
-        offset += len(text)
     return result
 
 
@@ -419,7 +436,9 @@ class OpenAIServing:
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
         prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
         self._check(prompts, params, request)
-        generation = _Generation(prompts, request.n, request.echo)
+        offsets = None if request.logprobs is None else (self.llm.tokenizer,
+                                                         params.skip_special_tokens)
+        generation = _Generation(prompts, request.n, request.echo, offsets)
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
