@@ -366,6 +366,22 @@ def test_out_of_blocks_preempts_by_recompute_and_victim_later_completes():
                for o in sim.history[preempted_at + 1:] for c in o.chunks)
 
 
+def test_prefix_cache_counters_count_each_request_once_as_vllm():
+    """A request resumed after a preemption finds its own blocks again: not a query of the
+    prefix cache in vLLM's counters (it keeps those apart), nor in fulcrum's."""
+    sim = Sim(num_blocks=7, max_num_batched_tokens=32, prefix_caching=True)
+    sim.add("first", prompt_len=8, max_tokens=12)
+    sim.add("second", prompt_len=8, max_tokens=12)
+    sim.run()
+    assert sim.sched.num_preemptions_total >= 1
+    assert sim.sched.prefix_cache_queries == 16
+    assert sim.sched.prefix_cache_hits == 0
+    sim.add("again", prompt_len=0, max_tokens=2, tokens=list(sim.all["first"].prompt_token_ids))
+    sim.run()
+    assert sim.sched.prefix_cache_queries == 24
+    assert sim.sched.prefix_cache_hits == 4  # one full block; the last token is recomputed
+
+
 def test_request_preempts_itself_when_it_is_the_worst():
     # Only the newest request can be the victim; when it is the one that needs a block,
     # it gives its own blocks back instead of taking the older one's.

@@ -256,9 +256,11 @@ class Scheduler:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = self.clock()
             request.metrics.num_cached_tokens = computed.num_tokens
-        if self.kv.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += computed.num_tokens
+            # As vLLM's counters: a request's own lookup; one resumed after a preemption
+            # finds its own blocks again, which says nothing of prompts sharing a prefix.
+            if self.kv.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += computed.num_tokens
         plan.add(request, num_new)
         plan.limit.add(request, computed.num_tokens, num_new)
         if num_new < remaining:
