@@ -22,9 +22,14 @@ request's outputs, vLLM's meaning), per-request prompt / generation token and `n
 `max_tokens` histograms, `iteration_tokens_total`, queue and KV-cache gauges, prefix-cache
 queries and hits, preemptions, and `cache_config_info`.
 
-Latencies come from the engine's request timestamps where they are set once (arrival,
-first scheduled, first token, finished) and otherwise from the report's step time, which is
-when the step's tokens left the engine.
+As in vLLM, where each of a request's n completions runs as a request of its own, the
+request series count completions: a request with n = 3 adds 3 to `request_success`, its
+prompt 3 times to `prompt_tokens`, 3 TTFTs. `request_time_per_output_token_seconds` is a
+completion's decode time (first to last token) over its tokens after the first, 0 for a
+single token (vLLM's). Latencies come from the engine's request timestamps where they are
+set once (arrival, first scheduled, first token, last token, finished) and otherwise from
+the report's step time, which is when the step's tokens left the engine; an output with no
+new token (an abort) is no inter-token gap.
 
 Latency targets (SLOs) and the per-step budget, fulcrum's own (vLLM has no equivalent except
 `vllm:iteration_tokens_total`, kept here under its name):
@@ -36,9 +41,8 @@ Latency targets (SLOs) and the per-step budget, fulcrum's own (vLLM has no equiv
   `slo_ttft_ms`/`slo_tpot_ms`, else the engine's defaults). TTFT is met when
   first token - arrival <= the TTFT target; TPOT (vLLM's definition) when
   (last token - first token) / (output tokens - 1) <= the TPOT target, and always for a
-  request of one output token; an infinite target is always met. A request with n > 1
-  completions is judged by its first completion (whose timestamps its output carries).
-  Attainment = met / (met + missed) per target.
+  request of one output token; an infinite target is always met. Each of a request's n
+  completions is judged on its own. Attainment = met / (met + missed) per target.
 - `fulcrum:slo_ttft_target_seconds`, `fulcrum:slo_tpot_target_seconds`: gauges, the
   engine's default targets now (`LLMEngine.slo_defaults`; +Inf when there is none).
 - Per engine step (every step the engine takes, empty ones included, one observation each):
@@ -58,11 +62,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fulcrum.outputs import RequestOutput
+from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.core.request import RequestMetrics
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.stats import StepReport, StepStats
@@ -118,10 +122,10 @@ def slo_results(metrics: RequestMetrics, num_output_tokens: int) -> Dict[str, bo
 
 @dataclass
 class _Progress:
-    """What the metrics remember about a request between its outputs."""
+    """What the metrics remember about a completion between its outputs."""
 
-    last_time: float
-    tokens: Dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
+    tokens: int = 0
+    last_time: Optional[float] = None  # when its latest tokens left the engine
 
 
 class EngineMetrics:
@@ -132,7 +136,7 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self._engine = engine
         self._labels = {"model_name": model_name}
-        self._progress: Dict[str, _Progress] = {}
+        self._progress: Dict[Tuple[str, int], _Progress] = {}  # (request id, index) ->
         self._last_stats: StepStats | None = None
         # Plain running totals, for the server's stats line.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -184,7 +188,7 @@ class EngineMetrics:
                                            "enable_prefix_caching", "gpu_memory_utilization"],
                      registry=self.registry)
         info.labels(block_size=str(config.block_size),
-                    num_gpu_blocks=str(self._engine.block_manager.num_usable_blocks),
+                    num_gpu_blocks=str(self._engine.block_manager.num_blocks),
                     cache_dtype=str(config.kv_cache_dtype),
                     enable_prefix_caching=str(config.enable_prefix_caching),
                     gpu_memory_utilization=str(config.gpu_memory_utilization),
@@ -237,8 +241,8 @@ class EngineMetrics:
         self.request_prompt_tokens = self._histogram("fulcrum:request_prompt_tokens",
                                                      "Prompt tokens per request", lengths)
         self.request_generation_tokens = self._histogram(
-            "fulcrum:request_generation_tokens", "Generated tokens per finished request (all "
-            "its completions)", lengths)
+            "fulcrum:request_generation_tokens", "Generated tokens per finished request",
+            lengths)
         self.params_n = self._histogram("fulcrum:request_params_n", "The n of each request",
                                         (1, 2, 5, 10, 20))
         self.params_max_tokens = self._histogram("fulcrum:request_params_max_tokens",
@@ -310,51 +314,54 @@ class EngineMetrics:
                                     / stats.wall_seconds)
 
     def _record_output(self, output: RequestOutput, now: float, cumulative: bool) -> None:
-        progress = self._progress.get(output.request_id)
+        for completion in output.outputs:
+            self._record_completion(output, completion, now, cumulative)
+
+    def _record_completion(self, output: RequestOutput, completion: CompletionOutput,
+                           now: float, cumulative: bool) -> None:
+        """As vLLM, which runs each of a request's n completions as a request of its own,
+        counts: per completion, its prompt included."""
+        key = (output.request_id, completion.index)
+        progress = self._progress.get(key)
+        metrics = completion.metrics
         if progress is None:
-            progress = self._progress[output.request_id] = _Progress(now)
+            progress = self._progress[key] = _Progress()
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.totals["prompt_tokens"] += len(output.prompt_token_ids)
             self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-            self._observe_first(output)
-        else:
-            self.itl.observe(now - progress.last_time)
-            self.token_gap.observe(now - progress.last_time)
+            if metrics is not None and metrics.first_scheduled_time is not None:
+                self.queue_time.observe(metrics.queue_time)
+        total = len(completion.token_ids) + (0 if cumulative else progress.tokens)
+        if total > progress.tokens:
+            if progress.last_time is None:
+                if metrics is not None and metrics.first_token_time is not None:
+                    self.ttft.observe(metrics.time_to_first_token)
+            else:
+                self.itl.observe(now - progress.last_time)
+                self.token_gap.observe(now - progress.last_time)
             progress.last_time = now
-        for completion in output.outputs:
-            before = progress.tokens.get(completion.index, 0)
-            total = len(completion.token_ids) + (0 if cumulative else before)
-            progress.tokens[completion.index] = total
-            self.generation_tokens.inc(total - before)
-            self.totals["generation_tokens"] += total - before
-        if output.finished:
-            del self._progress[output.request_id]
-            self._observe_finish(output, progress)
+        self.generation_tokens.inc(total - progress.tokens)
+        self.totals["generation_tokens"] += total - progress.tokens
+        progress.tokens = total
+        if completion.finish_reason is not None:
+            del self._progress[key]
+            self._observe_finish(completion, total)
 
-    def _observe_first(self, output: RequestOutput) -> None:
-        metrics = output.metrics
-        if metrics is None:
-            return
-        if metrics.first_token_time is not None:
-            self.ttft.observe(metrics.time_to_first_token)
-        if metrics.first_scheduled_time is not None:
-            self.queue_time.observe(metrics.queue_time)
-
-    def _observe_finish(self, output: RequestOutput, progress: _Progress) -> None:
-        reason = output.outputs[0].finish_reason if output.outputs else "abort"
-        self.finished.labels(finished_reason=reason or "abort", **self._labels).inc()
-        metrics = output.metrics
+    def _observe_finish(self, completion: CompletionOutput, tokens: int) -> None:
+        reason = completion.finish_reason
+        self.finished.labels(finished_reason=reason, **self._labels).inc()
+        metrics = completion.metrics
         if metrics is None or metrics.finished_time is None:
             return
         self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-        self.request_generation_tokens.observe(sum(progress.tokens.values()))
+        self.request_generation_tokens.observe(tokens)
         self._observe_phases(metrics)
-        longest = max(progress.tokens.values(), default=0)
-        if metrics.first_token_time is not None and longest > 1:
-            self.tpot.observe((progress.last_time - metrics.first_token_time) / (longest - 1))
+        first, last = metrics.first_token_time, metrics.last_token_time
+        if first is not None and last is not None:
+            # vLLM's: the decode time over the tokens after the first; 0 for a single token.
+            self.tpot.observe((last - first) / (tokens - 1) if tokens > 1 else 0.0)
         if reason in SLO_FINISH_REASONS:
-            # `metrics` are the first completion's (index 0): judge by its token count.
-            for target, met in slo_results(metrics, progress.tokens.get(0, 0)).items():
+            for target, met in slo_results(metrics, tokens).items():
                 self._slo_children[(target, "met" if met else "missed")].inc()
 
     def _observe_phases(self, metrics: RequestMetrics) -> None:

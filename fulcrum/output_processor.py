@@ -178,8 +178,8 @@ class OutputProcessor:
     @staticmethod
     def _error_output(parent: _Parent, message: str) -> RequestOutput:
         """The final output of a request whose output could not be built: no text, the error."""
-        completions = [CompletionOutput(c.index, "", [], None, None, finish_reason="error")
-                       for c in parent.children]
+        completions = [CompletionOutput(c.index, "", [], None, None, finish_reason="error",
+                                        metrics=c.request.metrics) for c in parent.children]
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=completions,
                              finished=True, error=message)
@@ -215,4 +215,5 @@ class OutputProcessor:
             index=child.index, text=text, token_ids=list(token_ids),
             cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
             finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason if request.is_finished else None)
+            stop_reason=request.stop_reason if request.is_finished else None,
+            metrics=request.metrics)

@@ -40,6 +40,9 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+    # This completion's own timestamps (RequestOutput.metrics are the first completion's):
+    # the metrics count each completion, as vLLM does.
+    metrics: Optional[RequestMetrics] = field(default=None, repr=False, compare=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

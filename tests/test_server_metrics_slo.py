@@ -77,7 +77,7 @@ class _FakeAsyncLLM:
                                       enable_prefix_caching=True, gpu_memory_utilization=0.9)
         self.engine = SimpleNamespace(slo_defaults=SloTargets(2.0, 0.125), scheduler=None,
                                       config=self.config,
-                                      block_manager=SimpleNamespace(num_usable_blocks=8))
+                                      block_manager=SimpleNamespace(num_blocks=9))
         self.listeners = []
 
     def add_listener(self, listener) -> None:
@@ -94,7 +94,7 @@ def _stats(step, prefill, decode, wall, predicted) -> StepStats:
 
 def _finished(request_id, reason, tokens, metrics, index=0) -> RequestOutput:
     completion = CompletionOutput(index, "x" * tokens, list(range(tokens)), None, None,
-                                  finish_reason=reason)
+                                  finish_reason=reason, metrics=metrics)
     return RequestOutput(request_id, "p", [1, 2], [completion], True, metrics=metrics)
 
 
@@ -132,12 +132,54 @@ def test_tokens_of_a_request_add_up_over_its_outputs():
     """TPOT's token count is the request's total over its DELTA outputs, not the last one's."""
     metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
     slo = _metrics(INF, 0.25, first=100.5, last=101.5)  # 1.0 s over 5 tokens: 0.25 a token
-    first = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [7], None, None)], False,
-                          metrics=slo)
+    first = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [7], None, None,
+                                                           metrics=slo)], False, metrics=slo)
     metrics.record(StepReport([first], None, 0, 100.5))
     metrics.record(StepReport([_finished("r", "length", 4, slo)], None, 0, 101.5))
     samples = _samples(metrics)
     assert _slo(samples, "tpot", "met") == 1 and _slo(samples, "tpot", "missed") == 0
+
+
+def test_latencies_count_each_completion_and_only_real_token_gaps():
+    """As vLLM counts: each of n completions is a request (its TTFT even when another
+    completion's token came first); an abort's token-less output is no inter-token gap and
+    TPOT runs to the last token; a one-token completion's TPOT is 0."""
+    metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
+    zero = _metrics(first=None, last=None)
+    one = _metrics(first=100.25, last=100.25)
+
+    def output(completions, finished=False):
+        return RequestOutput("n2", "p", [1, 2], completions, finished, metrics=zero)
+
+    # Completion 1 gets its first token before completion 0 does.
+    metrics.record(StepReport([output([CompletionOutput(1, "a", [5], None, None,
+                                                        metrics=one)])], None, 0, 100.25))
+    zero.first_token_time = zero.last_token_time = 100.5
+    metrics.record(StepReport([output([CompletionOutput(0, "b", [6], None, None,
+                                                        metrics=zero)])], None, 0, 100.5))
+    zero.last_token_time = 100.75
+    metrics.record(StepReport([output([CompletionOutput(0, "c", [7], None, None,
+                                                        metrics=zero)])], None, 0, 100.75))
+    # Both aborted at 103: no new tokens.
+    zero.finished_time = one.finished_time = 103.0
+    metrics.record(StepReport([output([
+        CompletionOutput(0, "", [], None, None, finish_reason="abort", metrics=zero),
+        CompletionOutput(1, "", [], None, None, finish_reason="abort", metrics=one)],
+        finished=True)], None, 0, 103.0))
+    samples = _samples(metrics)
+
+    def get(name):
+        return samples[(name, ())]
+
+    assert get("fulcrum:time_to_first_token_seconds_count") == 2
+    assert get("fulcrum:time_to_first_token_seconds_sum") == pytest.approx(0.25 + 0.5)
+    assert get("fulcrum:inter_token_latency_seconds_count") == 1
+    assert get("fulcrum:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    assert get("fulcrum:request_time_per_output_token_seconds_count") == 2
+    assert get("fulcrum:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+    assert samples[("fulcrum:request_success_total", (("finished_reason", "abort"),))] == 2
+    assert get("fulcrum:prompt_tokens_total") == 4
+    assert get("fulcrum:generation_tokens_total") == 3
 
 
 def test_step_histograms_and_prediction_error():

@@ -207,12 +207,19 @@ def test_llm_get_metrics(llama_dir):
     llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, n=2,
                                           output_kind=RequestOutputKind.DELTA), use_tqdm=False)
     metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
-    assert metrics[("fulcrum:prompt_tokens", None)].value == 5 + 3 + 5
+    # As vLLM counts: each of the n = 2 completions is a request, its prompt included.
+    assert metrics[("fulcrum:prompt_tokens", None)].value == 5 + 3 + 2 * 5
     assert metrics[("fulcrum:generation_tokens", None)].value == 4 + 4 + 2 * 3
-    assert metrics[("fulcrum:request_success", "length")].value == 3
+    assert metrics[("fulcrum:request_success", "length")].value == 4
     prompt_sizes = metrics[("fulcrum:request_prompt_tokens", None)]
-    assert prompt_sizes.kind == "histogram" and prompt_sizes.count == 3
-    assert prompt_sizes.sum == 13 and prompt_sizes.buckets["5.0"] == 3
+    assert prompt_sizes.kind == "histogram" and prompt_sizes.count == 4
+    assert prompt_sizes.sum == 18 and prompt_sizes.buckets["5.0"] == 4
+    generated = metrics[("fulcrum:request_generation_tokens", None)]
+    assert (generated.count, generated.sum) == (4, 4 + 4 + 2 * 3)
+    assert metrics[("fulcrum:time_to_first_token_seconds", None)].count == 4
+    # A gap between each completion's consecutive tokens: 3 + 3 + 2 * 2.
+    assert metrics[("fulcrum:inter_token_latency_seconds", None)].count == 10
+    assert metrics[("fulcrum:request_time_per_output_token_seconds", None)].count == 4
     assert metrics[("fulcrum:request_params_n", None)].sum == 1 + 1 + 2
     assert metrics[("fulcrum:num_requests_running", None)].value == 0
 
