@@ -32,7 +32,8 @@ class PrefillSpan:
     q_start: int
     q_end: int
     # Cache slots of the request's whole context after this step, or None when the chunk is
-    # the whole context (a fresh prompt): then keys and values are used as computed.
+    # the whole context (a fresh prompt): then keys and values are used as computed (rounded
+    # to the cache's dtype, as a chunk reading them back would find them).
     context_slots: Optional[torch.Tensor]
     # Boolean [chunk, context] mask (True = attend), or None for plain causal attention.
     mask: Optional[torch.Tensor]
@@ -110,7 +111,10 @@ class TorchAttentionBackend(AttentionBackend):
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_end)
             if span.context_slots is None:
-                keys, values = k[rows], v[rows]
+                # As stored (a narrower cache dtype rounds them), so that a prompt's numbers
+                # do not depend on whether it ran in one chunk or read earlier ones back.
+                keys = k[rows].to(k_cache.dtype).to(q.dtype)
+                values = v[rows].to(v_cache.dtype).to(q.dtype)
             else:
                 slots = span.context_slots
                 keys = key_slots(k_cache)[slots // block_size, slots % block_size].to(q.dtype)
