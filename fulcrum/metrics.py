@@ -15,7 +15,7 @@ files) come from prometheus_client's ProcessCollector.
 
 vLLM's series (under `fulcrum:`): request counts by finish reason, prompt and generation
 token counters, TTFT, e2e, queue, prefill (first scheduled -> first token), decode (first
--> last token) and inference (first scheduled -> finished) time histograms,
+-> last token) and inference (first scheduled -> last token) time histograms,
 `request_time_per_output_token_seconds` (each request's mean),
 `time_per_output_token_seconds` and `inter_token_latency_seconds` (every gap between a
 request's outputs, vLLM's meaning), per-request prompt / generation token and `n` /
@@ -236,7 +236,7 @@ class EngineMetrics:
         self.decode_time = self._histogram("fulcrum:request_decode_time_seconds",
                                            "First token to last token", LATENCY_BUCKETS)
         self.inference_time = self._histogram("fulcrum:request_inference_time_seconds",
-                                              "First scheduled to finished", LATENCY_BUCKETS)
+                                              "First scheduled to last token", LATENCY_BUCKETS)
         lengths = length_buckets(self._engine.config.max_model_len)
         self.request_prompt_tokens = self._histogram("fulcrum:request_prompt_tokens",
                                                      "Prompt tokens per request", lengths)
@@ -366,8 +366,10 @@ class EngineMetrics:
 
     def _observe_phases(self, metrics: RequestMetrics) -> None:
         scheduled, first = metrics.first_scheduled_time, metrics.first_token_time
-        if scheduled is not None:
-            self.inference_time.observe(metrics.finished_time - scheduled)
+        if scheduled is not None:  # to the last token (vLLM's), to the end where none came
+            end = metrics.last_token_time if metrics.last_token_time is not None \
+                else metrics.finished_time
+            self.inference_time.observe(end - scheduled)
             if first is not None:
                 self.prefill_time.observe(first - scheduled)
         if first is not None and metrics.last_token_time is not None:

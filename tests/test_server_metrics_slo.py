@@ -146,6 +146,7 @@ def test_latencies_count_each_completion_and_only_real_token_gaps():
     TPOT runs to the last token; a one-token completion's TPOT is 0."""
     metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
     zero = _metrics(first=None, last=None)
+    zero.first_scheduled_time = 100.125
     one = _metrics(first=100.25, last=100.25)
 
     def output(completions, finished=False):
@@ -177,6 +178,9 @@ def test_latencies_count_each_completion_and_only_real_token_gaps():
     assert get("fulcrum:inter_token_latency_seconds_sum") == pytest.approx(0.25)
     assert get("fulcrum:request_time_per_output_token_seconds_count") == 2
     assert get("fulcrum:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+    # First scheduled to the last token, not to the abort (vLLM's).
+    assert get("fulcrum:request_inference_time_seconds_count") == 1
+    assert get("fulcrum:request_inference_time_seconds_sum") == pytest.approx(0.625)
     assert samples[("fulcrum:request_success_total", (("finished_reason", "abort"),))] == 2
     assert get("fulcrum:prompt_tokens_total") == 4
     assert get("fulcrum:generation_tokens_total") == 3
