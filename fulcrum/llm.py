@@ -35,7 +35,11 @@ class LLM:
         self._metrics: Optional[EngineMetrics] = None
         if not self.llm_engine.config.disable_log_stats:
             self._metrics = EngineMetrics(self.llm_engine, model or DEFAULT_MODEL_NAME)
-        self._kinds: Dict[str, RequestOutputKind] = {}
+        # generate returns whole outputs whatever kind the params ask for (as vLLM's LLM
+        # does): the engine builds them at the end, or every step where the metrics must
+        # see each token (their inter-token gaps).
+        self._kind = (RequestOutputKind.FINAL_ONLY if self._metrics is None
+                      else RequestOutputKind.CUMULATIVE)
         # One call drives the engine at a time: two threads stepping it at once took each
         # other's outputs and neither call returned. A second call waits for the first.
         self._lock = threading.Lock()
@@ -72,8 +76,8 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         targets = {k: v for k, v in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms))
                    if v is not None}
-        if targets:
-            params_list = [dataclasses.replace(p, **targets) for p in params_list]
+        params_list = [dataclasses.replace(p, output_kind=self._kind, **targets)
+                       for p in params_list]
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         with self._lock:
@@ -96,7 +100,6 @@ class LLM:
                                priority=priority[i] if priority is not None else 0)
             ids.append(request_id)
             if self._metrics is not None:
-                self._kinds[request_id] = params.output_kind
                 self._metrics.record_params(params, max_tokens[i])
         return self._run(ids, use_tqdm)
 
@@ -176,12 +179,7 @@ class LLM:
         engine, now = self.llm_engine, time.monotonic()
         preempted = engine.scheduler.stats().num_preempted_waiting
         self._metrics.record(StepReport([], engine.last_step_stats, preempted, now))
-        for output in outputs:
-            kind = self._kinds.get(output.request_id, RequestOutputKind.DELTA)
-            self._metrics.record(StepReport([output], None, preempted, now),
-                                 cumulative=kind is not RequestOutputKind.DELTA)
-            if output.finished:
-                self._kinds.pop(output.request_id, None)
+        self._metrics.record(StepReport(outputs, None, preempted, now), cumulative=True)
 
 
 def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:

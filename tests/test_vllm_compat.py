@@ -204,8 +204,11 @@ def test_llm_get_metrics(llama_dir):
     llm = LLM(str(llama_dir), disable_log_stats=False)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([PROMPT, PROMPT[:3]], params, use_tqdm=False)
-    llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, n=2,
-                                          output_kind=RequestOutputKind.DELTA), use_tqdm=False)
+    (two,) = llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, n=2,
+                                                   output_kind=RequestOutputKind.DELTA),
+                          use_tqdm=False)
+    # generate returns whole outputs whatever the kind (vLLM's LLM asks for FINAL_ONLY).
+    assert [len(c.token_ids) for c in two.outputs] == [3, 3]
     metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
     # As vLLM counts: each of the n = 2 completions is a request, its prompt included.
     assert metrics[("fulcrum:prompt_tokens", None)].value == 5 + 3 + 2 * 5
@@ -222,6 +225,21 @@ def test_llm_get_metrics(llama_dir):
     assert metrics[("fulcrum:request_time_per_output_token_seconds", None)].count == 4
     assert metrics[("fulcrum:request_params_n", None)].sum == 1 + 1 + 2
     assert metrics[("fulcrum:num_requests_running", None)].value == 0
+    # Whatever kind the params ask for, the metrics see every token's step.
+    llm.generate([PROMPT], SamplingParams(max_tokens=5, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY),
+                 use_tqdm=False)
+    gaps = {m.name: m for m in llm.get_metrics()}["fulcrum:inter_token_latency_seconds"]
+    assert gaps.count == 10 + 4
+
+
+def test_llm_generate_returns_whole_outputs_whatever_the_output_kind(llama_dir):
+    llm = LLM(str(llama_dir))
+    outputs = [llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                     temperature=0.0, output_kind=kind),
+                            use_tqdm=False)[0].outputs[0] for kind in RequestOutputKind]
+    assert [len(o.token_ids) for o in outputs] == [6, 6, 6]
+    assert len({(o.text, tuple(o.token_ids)) for o in outputs}) == 1
 
 
 @pytest.fixture(scope="module")
