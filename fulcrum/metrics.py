@@ -126,6 +126,9 @@ class _Progress:
 
     tokens: int = 0
     last_time: Optional[float] = None  # when its latest tokens left the engine
+    # Counted as finished: it comes again in its request's later CUMULATIVE outputs (while
+    # its siblings run on) and in an error output, and must not count twice.
+    finished: bool = False
 
 
 class EngineMetrics:
@@ -136,7 +139,8 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self._engine = engine
         self._labels = {"model_name": model_name}
-        self._progress: Dict[Tuple[str, int], _Progress] = {}  # (request id, index) ->
+        # request id -> completion index -> progress, until the request's last output
+        self._progress: Dict[str, Dict[int, _Progress]] = {}
         self._last_stats: StepStats | None = None
         # Plain running totals, for the server's stats line.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -314,37 +318,40 @@ class EngineMetrics:
                                     / stats.wall_seconds)
 
     def _record_output(self, output: RequestOutput, now: float, cumulative: bool) -> None:
-        for completion in output.outputs:
-            self._record_completion(output, completion, now, cumulative)
-
-    def _record_completion(self, output: RequestOutput, completion: CompletionOutput,
-                           now: float, cumulative: bool) -> None:
         """As vLLM, which runs each of a request's n completions as a request of its own,
         counts: per completion, its prompt included."""
-        key = (output.request_id, completion.index)
-        progress = self._progress.get(key)
-        metrics = completion.metrics
-        if progress is None:
-            progress = self._progress[key] = _Progress()
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self.totals["prompt_tokens"] += len(output.prompt_token_ids)
-            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-            if metrics is not None and metrics.first_scheduled_time is not None:
-                self.queue_time.observe(metrics.queue_time)
+        completions = self._progress.setdefault(output.request_id, {})
+        for completion in output.outputs:
+            progress = completions.get(completion.index)
+            if progress is None:
+                progress = completions[completion.index] = _Progress()
+                self._count_prompt(len(output.prompt_token_ids))
+            if not progress.finished:
+                self._record_tokens(completion, progress, now, cumulative)
+        if output.finished:
+            del self._progress[output.request_id]
+
+    def _count_prompt(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.totals["prompt_tokens"] += tokens
+        self.request_prompt_tokens.observe(tokens)
+
+    def _record_tokens(self, completion: CompletionOutput, progress: _Progress, now: float,
+                       cumulative: bool) -> None:
         total = len(completion.token_ids) + (0 if cumulative else progress.tokens)
         if total > progress.tokens:
-            if progress.last_time is None:
-                if metrics is not None and metrics.first_token_time is not None:
-                    self.ttft.observe(metrics.time_to_first_token)
-            else:
+            metrics = completion.metrics
+            if progress.last_time is not None:
                 self.itl.observe(now - progress.last_time)
                 self.token_gap.observe(now - progress.last_time)
+            elif metrics is not None and metrics.first_token_time is not None:
+                self.ttft.observe(metrics.time_to_first_token)
             progress.last_time = now
         self.generation_tokens.inc(total - progress.tokens)
         self.totals["generation_tokens"] += total - progress.tokens
         progress.tokens = total
         if completion.finish_reason is not None:
-            del self._progress[key]
+            progress.finished = True
             self._observe_finish(completion, total)
 
     def _observe_finish(self, completion: CompletionOutput, tokens: int) -> None:
@@ -365,15 +372,19 @@ class EngineMetrics:
                 self._slo_children[(target, "met" if met else "missed")].inc()
 
     def _observe_phases(self, metrics: RequestMetrics) -> None:
-        scheduled, first = metrics.first_scheduled_time, metrics.first_token_time
-        if scheduled is not None:  # to the last token (vLLM's), to the end where none came
-            end = metrics.last_token_time if metrics.last_token_time is not None \
-                else metrics.finished_time
-            self.inference_time.observe(end - scheduled)
+        """At the finish, as vLLM observes them (a completion may be seen before it is
+        scheduled): queue, prefill, decode, and inference time to the last token (vLLM's),
+        or to the finish where no token came."""
+        scheduled, first, last = (metrics.first_scheduled_time, metrics.first_token_time,
+                                  metrics.last_token_time)
+        if scheduled is not None:
+            self.queue_time.observe(metrics.queue_time)
+            self.inference_time.observe((last if last is not None else metrics.finished_time)
+                                        - scheduled)
             if first is not None:
                 self.prefill_time.observe(first - scheduled)
-        if first is not None and metrics.last_token_time is not None:
-            self.decode_time.observe(metrics.last_token_time - first)
+        if first is not None and last is not None:
+            self.decode_time.observe(last - first)
 
     def refresh_state(self) -> None:
         """Set the queue and KV-cache gauges from the scheduler as it stands now.

@@ -233,6 +233,22 @@ def test_llm_get_metrics(llama_dir):
     assert gaps.count == 10 + 4
 
 
+def test_llm_metrics_count_completions_finished_apart_once(llama_dir):
+    """One at a time (max_num_seqs=1), an n = 2 request's completions finish steps apart;
+    the first comes again in every later output of its request and counts once."""
+    llm = LLM(str(llama_dir), disable_log_stats=False, max_num_seqs=1)
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, n=2),
+                 use_tqdm=False)
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert metrics[("fulcrum:request_success", "length")].value == 2
+    assert metrics[("fulcrum:prompt_tokens", None)].value == 2 * 5
+    assert metrics[("fulcrum:generation_tokens", None)].value == 2 * 3
+    for name in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                 "e2e_request_latency_seconds"):
+        assert metrics[(f"fulcrum:{name}", None)].count == 2, name
+    assert metrics[("fulcrum:inter_token_latency_seconds", None)].count == 2 * 2
+
+
 def test_llm_generate_returns_whole_outputs_whatever_the_output_kind(llama_dir):
     llm = LLM(str(llama_dir))
     outputs = [llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True,
