@@ -30,6 +30,9 @@ class _Child:
     cumulative_logprob: Optional[float]
     sent_text: int = 0
     sent_tokens: int = 0
+    # A stop string its last allowed token completed: the text ends there, so the string
+    # is why it ended (as in vLLM, whose stop strings outrank the length).
+    stopped_at_length: Optional[str] = None
 
 
 @dataclass
@@ -114,14 +117,14 @@ class OutputProcessor:
         # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
         stop = child.detokenizer.update(
             new_ids, request.num_output_tokens > request.sampling_params.min_tokens)
-        if stop is None or request.status is RequestStatus.FINISHED_STOPPED:
-            return False  # a stop token (or grammar) ended it first: the token is the reason
-        request.stop_reason = stop
-        if request.status is RequestStatus.FINISHED_LENGTH:
-            # Its last allowed token completed the stop string: the text ends there, so the
-            # string is why it ended (as in vLLM, whose stop strings outrank the length).
-            request.status = RequestStatus.FINISHED_STOPPED
+        if stop is None:
             return False
+        if request.status is RequestStatus.FINISHED_LENGTH:
+            child.stopped_at_length = stop
+            return False
+        if request.is_finished:
+            return False  # a stop token or grammar (the reason), or a failure, ended it first
+        request.stop_reason = stop
         return True
 
     def add_prompt_logprobs(self, found: Dict[str, List[Dict[int, Logprob]]]) -> None:
@@ -211,9 +214,11 @@ class OutputProcessor:
             start, child.sent_tokens = child.sent_tokens, len(token_ids)
             token_ids = token_ids[start:]
             logprobs = logprobs[start:] if logprobs is not None else None
+        finish_reason = request.status.finish_reason
+        stop_reason = request.stop_reason if request.is_finished else None
+        if child.stopped_at_length is not None:
+            finish_reason, stop_reason = "stop", child.stopped_at_length
         return CompletionOutput(
             index=child.index, text=text, token_ids=list(token_ids),
             cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason if request.is_finished else None,
-            metrics=request.metrics)
+            finish_reason=finish_reason, stop_reason=stop_reason, metrics=request.metrics)

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import running_server
 from fulcrum import LLM, SamplingParams
+from fulcrum.core.request import RequestStatus
 from fulcrum.sampling_params import StructuredOutputsParams
 from fulcrum.detokenizer import IncrementalDetokenizer
 from fulcrum.output_processor import OutputProcessor
@@ -213,3 +214,32 @@ def test_server_fails_one_request_and_serves_the_others(server, monkeypatch):
         assert ok["usage"]["completion_tokens"] == 5
     manager = async_llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_a_request_failed_before_its_token_is_processed_has_no_stop_reason(stories_dir,
+                                                                            monkeypatch):
+    """A request the step already failed (a sibling's or its grammar's fault) keeps finish
+    reason "error", with no stop string, even when the token it sampled completes one."""
+    llm = LLM(str(stories_dir))
+    engine = llm.llm_engine
+    processor = engine.output_processor
+    process = processor.process_tokens
+    steps = []
+
+    def fail_first(sampled):
+        steps.append(1)
+        if len(steps) == 3:  # the step whose token completes " was" (", there was")
+            for child_id in sampled:
+                for request in processor.siblings(child_id):
+                    request.error = "failed by the test"
+                    engine.scheduler.finish_requests([request.request_id],
+                                                     RequestStatus.FINISHED_ERROR)
+        return process(sampled)
+
+    monkeypatch.setattr(processor, "process_tokens", fail_first)
+    (output,) = llm.generate("Once upon a time", SamplingParams(
+        temperature=0.0, max_tokens=8, stop=[" was"]), use_tqdm=False)
+    completion = output.outputs[0]
+    assert len(completion.token_ids) == 3
+    assert (completion.finish_reason, completion.stop_reason) == ("error", None)
+    assert_all_blocks_free(engine)
