@@ -111,10 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_end)
             if span.context_slots is None:
-                # As stored (a narrower cache dtype rounds them), so that a prompt's numbers
-                # do not depend on whether it ran in one chunk or read earlier ones back.
-                keys = k[rows].to(k_cache.dtype).to(q.dtype)
-                values = v[rows].to(v_cache.dtype).to(q.dtype)
+                keys, values = _as_stored(k[rows], k_cache), _as_stored(v[rows], v_cache)
             else:
                 slots = span.context_slots
                 keys = key_slots(k_cache)[slots // block_size, slots % block_size].to(q.dtype)
@@ -141,6 +138,15 @@ class TorchAttentionBackend(AttentionBackend):
         return F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
+
+
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Keys or values as a later chunk reading them back from `cache` finds them (rounded, if
+    its dtype holds them inexactly), so that a prompt's numbers do not depend on its
+    chunking. A wider cache holds them exactly; bf16 and fp16 hold each other's inexactly."""
+    if cache.dtype == x.dtype or cache.element_size() > x.element_size():
+        return x
+    return x.to(cache.dtype).to(x.dtype)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
