@@ -137,15 +137,15 @@ class _Choice:
     logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
-    offsets: Optional[TextOffsets] = None  # where given, text_offsets are kept
-    prompt_offsets: List[int] = field(default_factory=list)  # with echo and offsets
+    tracker: Optional[TextOffsets] = None  # where given, text_offsets are kept
+    prompt_offsets: List[int] = field(default_factory=list)  # the echoed prompt's tokens'
     text_offsets: List[int] = field(default_factory=list)
 
     def add(self, completion: CompletionOutput) -> _Delta:
         echoing = not self.text
         text = (self.prefix if echoing else "") + completion.text
         delta = _Delta(text, list(completion.token_ids), list(completion.logprobs or []))
-        offsets = self.offsets.add(delta.token_ids) if self.offsets else []
+        offsets = self.tracker.add(delta.token_ids) if self.tracker else []
         self.text_offsets.extend(offsets)
         delta.text_offsets = offsets
         if echoing and self.prefix:
@@ -173,28 +173,34 @@ class _Choice:
 
 
 class _Generation:
-    """The choices of one API request, fed with the engine outputs of its prompts. With
-    `offsets` (a tokenizer and the request's skip_special_tokens), the choices keep their
-    tokens' text offsets: the echoed prompt's in its text, which holds no special tokens."""
+    """The choices of one API request, fed with the engine outputs of its prompts. Given a
+    `tokenizer` (for the completions API's logprobs), the choices keep where each token's
+    text starts, its text decoded as the request's `skip_special_tokens` says."""
 
     def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
-                 offsets: Optional[Tuple[Tokenizer, bool]] = None) -> None:
+                 tokenizer: Optional[Tokenizer] = None,
+                 skip_special_tokens: bool = True) -> None:
         self.n = n
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
-        self.choices = []
-        for i, (text, ids) in enumerate(prompts):
-            prefix = text if echo and text else ""
-            prompt_offsets = []
-            if offsets and prefix:
-                prompt_offsets = TextOffsets(offsets[0], True).add(ids)
-            self.choices += [_Choice(i * n + j, prefix=prefix,
-                                     prompt_token_ids=ids if echo else [],
-                                     offsets=TextOffsets(*offsets, ids, len(prefix))
-                                     if offsets else None,
-                                     prompt_offsets=prompt_offsets) for j in range(n)]
+        self.choices = [choice for index, prompt in enumerate(prompts)
+                        for choice in self._choices(index, prompt, echo, tokenizer,
+                                                    skip_special_tokens)]
         self.prompt_ids = [ids for _, ids in prompts]
         # Prompt tokens found in the prefix cache; None until the prompt's first output.
         self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
+
+    def _choices(self, index: int, prompt: EnginePrompt, echo: bool,
+                 tokenizer: Optional[Tokenizer], skip_special_tokens: bool) -> List[_Choice]:
+        text, ids = prompt
+        prefix = text if echo and text else ""
+        echoed = ids if echo else []
+        if tokenizer is None:
+            return [_Choice(index * self.n + j, prefix, echoed) for j in range(self.n)]
+        # An echoed prompt is the prompt's text, without the special tokens added to it.
+        prompt_offsets = TextOffsets(tokenizer, True).add(ids) if prefix else []
+        return [_Choice(index * self.n + j, prefix, echoed, prompt_offsets=prompt_offsets,
+                        tracker=TextOffsets(tokenizer, skip_special_tokens, ids, len(prefix)))
+                for j in range(self.n)]
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
         self.cached_tokens[prompt_index] = output.num_cached_tokens
@@ -436,9 +442,9 @@ class OpenAIServing:
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
         prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
         self._check(prompts, params, request)
-        offsets = None if request.logprobs is None else (self.llm.tokenizer,
-                                                         params.skip_special_tokens)
-        generation = _Generation(prompts, request.n, request.echo, offsets)
+        generation = _Generation(prompts, request.n, request.echo,
+                                 None if request.logprobs is None else self.llm.tokenizer,
+                                 params.skip_special_tokens)
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
