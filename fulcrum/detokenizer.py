@@ -36,6 +36,11 @@ class IncrementalDetokenizer:
         self.params = params
         self.tokens, self.read_offset = self._context(list(prompt_token_ids))
         self.prefix_offset = 0
+        # The text of a context that ends in prompt tokens not yet read (an incomplete
+        # character's start, or bytes that are no character's): if the output's first text
+        # still begins with it, they completed nothing and their U+FFFD is the prompt's.
+        self._unread_prompt = (self._decode(self.tokens)
+                               if len(self.tokens) > self.read_offset else None)
         self.output_text = ""
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -64,17 +69,22 @@ class IncrementalDetokenizer:
         for partial in range(min(MAX_PARTIAL_TOKENS, len(prompt) - 1) + 1):
             whole = prompt[:len(prompt) - partial]
             for count in range(min(fewest, len(whole)), min(most, len(whole)) + 1):
-                if "\ufffd" not in self.tokenizer.decode(whole[-count:],
-                                                          self.params.skip_special_tokens):
+                if "\ufffd" not in self._decode(whole[-count:]):
                     return whole[-count:] + prompt[len(whole):], count
         return [], 0
 
+    def _decode(self, token_ids: List[int]) -> str:
+        return self.tokenizer.decode(token_ids, self.params.skip_special_tokens)
+
     def _decode_newest(self) -> str:
-        skip = self.params.skip_special_tokens
-        before = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], skip)
-        after = self.tokenizer.decode(self.tokens[self.prefix_offset:], skip)
+        before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
+        if self._unread_prompt is not None:
+            if after.startswith(self._unread_prompt):
+                before = self._unread_prompt
+            self._unread_prompt = None
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return after[len(before):]
 

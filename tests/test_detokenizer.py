@@ -222,3 +222,24 @@ def test_a_prompt_that_ends_inside_a_character_lets_the_output_complete_it(stori
         for token_id in rest[cut:]:
             detok.update([token_id])
         assert detok.output_text == text, cut
+
+
+def test_bytes_at_the_prompt_end_that_no_output_completes_stay_the_prompts(byte_tok):
+    """A prompt of token ids may end in a byte that starts no character (a lone UTF-8
+    continuation byte), in one followed by a whole character, or in a lead byte the output
+    does not complete: their U+FFFD and text are the prompt's, not the output's (the text
+    came out as "\ufffdxy", "\ufffdAxy"). A lead byte the output completes is the output's."""
+    hi, (lead, continuation) = encode(byte_tok, "Hi"), encode(byte_tok, "é")
+    assert byte_tok.decode([continuation]) == byte_tok.decode([lead]) == "\ufffd"
+    output = encode(byte_tok, "xy")
+    cases = [(*hi, continuation), (*hi, continuation, *encode(byte_tok, "A")), (*hi, lead),
+             (*hi, continuation, lead)]
+    for prompt in cases:
+        detok = IncrementalDetokenizer(byte_tok, SamplingParams(), list(prompt))
+        for token_id in output:
+            detok.update([token_id])
+        assert detok.output_text == "xy", prompt
+    detok = IncrementalDetokenizer(byte_tok, SamplingParams(), hi + [lead])
+    for token_id in [continuation] + output:
+        detok.update([token_id])
+    assert detok.output_text == "éxy"
