@@ -36,11 +36,13 @@ class IncrementalDetokenizer:
         self.params = params
         self.tokens, self.read_offset = self._context(list(prompt_token_ids))
         self.prefix_offset = 0
-        # The text of a context that ends in prompt tokens not yet read (an incomplete
-        # character's start, or bytes that are no character's): if the output's first text
-        # still begins with it, they completed nothing and their U+FFFD is the prompt's.
-        self._unread_prompt = (self._decode(self.tokens)
-                               if len(self.tokens) > self.read_offset else None)
+        # Where the context ends in prompt tokens not yet read (an incomplete character's
+        # start, or bytes that are no character's): the texts of the context up to each of
+        # them, longest first. The longest the output's first text still begins with is the
+        # prompt's (bytes the output completed nothing of keep their U+FFFD there); the rest
+        # is the output's, a character it completed included.
+        self._unread_prompt = [self._decode(self.tokens[:end])
+                               for end in range(len(self.tokens), self.read_offset, -1)]
         self.output_text = ""
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -81,10 +83,10 @@ class IncrementalDetokenizer:
         after = self._decode(self.tokens[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        if self._unread_prompt is not None:
-            if after.startswith(self._unread_prompt):
-                before = self._unread_prompt
-            self._unread_prompt = None
+        if self._unread_prompt:
+            before = next((text for text in self._unread_prompt
+                           if len(text) > len(before) and after.startswith(text)), before)
+            self._unread_prompt = []
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return after[len(before):]
 

@@ -239,7 +239,9 @@ def test_bytes_at_the_prompt_end_that_no_output_completes_stay_the_prompts(byte_
         for token_id in output:
             detok.update([token_id])
         assert detok.output_text == "xy", prompt
-    detok = IncrementalDetokenizer(byte_tok, SamplingParams(), hi + [lead])
-    for token_id in [continuation] + output:
-        detok.update([token_id])
-    assert detok.output_text == "éxy"
+    for prompt in ([*hi, lead], [*hi, continuation, lead], [*hi, continuation, *encode(
+            byte_tok, "A"), lead]):  # the stray bytes before the lead stay the prompt's
+        detok = IncrementalDetokenizer(byte_tok, SamplingParams(), prompt)
+        for token_id in [continuation] + output:
+            detok.update([token_id])
+        assert detok.output_text == "éxy", prompt
