@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
+import jinja2.utils
 from tokenizers import Tokenizer as _HFTokenizer
 
 from fulcrum.json_files import read_json_object
@@ -39,6 +43,77 @@ def _token_content(value: Any) -> Optional[str]:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple] = None, sort_keys: bool = False) -> str:
+    """transformers' tojson: json.dumps without jinja's HTML escaping, its options exposed."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """transformers' strftime_now: templates date their system prompts (Llama 3.x)."""
+    return datetime.now().strftime(format)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """transformers' namespace: no attribute of a template's own may start with "_"."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's trick: namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"but got {name!r}. Please rename the attribute.")
+
+
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (marks the assistant's tokens
+    for training masks): rendering for inference, it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Callable[[], str]) -> str:
+        return caller()
+
+
+# Where a message's reasoning may be (transformers'): templates read reasoning_content.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# The special tokens a template sees by name (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+
+
+def template_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The messages as transformers hands them to a template: keys whose value is None dropped
+    (templates test for a missing key, and would print "None"), and a message's reasoning
+    under each of its names."""
+    found = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        found.append(message)
+    return found
 
 
 # The most items (characters, list entries) a template's `*` may make, and the most bits of a
@@ -80,6 +155,17 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+def _environment() -> _TemplateEnvironment:
+    """The sandbox with what transformers gives templates: its tojson, strftime_now,
+    raise_exception, namespace and {% generation %}, and loop controls."""
+    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
+                               extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
+                       namespace=_Namespace)
+    return env
+
+
 # transformers' marker for continue_final_message: appended to the final message, looked for
 # in the rendered chat, cut there.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -88,13 +174,32 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _open_final_message(render: Callable[[List[Dict[str, Any]]], str],
-                        messages: List[Dict[str, Any]]) -> str:
+                        messages: List[Dict[str, Any]], template: str) -> str:
     """The chat rendered up to the end of its final message's text, as transformers does it:
-    the text tagged, rendered, cut at the tag (and the spaces a template trimmed, trimmed)."""
+    the text tagged (the last text part's, for content given as parts), rendered, cut at the
+    tag (and the spaces a template trimmed, trimmed)."""
+    if not messages:
+        raise ValueError("continue_final_message is set but the conversation is empty!")
     final = messages[-1].get("content")
     if final is None:
-        raise ValueError("continue_final_message is set, but the final message has no content")
-    text = render([*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}])
+        raise ValueError('continue_final_message is set but the final message has no '
+                         '"content" to continue!')
+    if "content" not in template:
+        raise ValueError('continue_final_message is set to "content" but this is not an '
+                         'accepted field in the chat_template')
+    if isinstance(final, (list, tuple)):
+        parts = [dict(part) if isinstance(part, dict) else part for part in final]
+        at = next((i for i in reversed(range(len(parts)))
+                   if isinstance(parts[i], dict) and "text" in parts[i]), None)
+        if at is None:
+            raise ValueError("continue_final_message is set but we could not find any text to "
+                             "continue in the final message!")
+        final = parts[at]["text"]
+        parts[at]["text"] = final + CONTINUE_TAG
+        tagged: Any = parts
+    else:
+        tagged = final + CONTINUE_TAG
+    text = render([*messages[:-1], {**messages[-1], "content": tagged}])
     if final.strip() not in text or CONTINUE_TAG.strip() not in text:
         raise ValueError("continue_final_message is set, but the final message's text does "
                          "not appear in the rendered chat template")
@@ -115,8 +220,12 @@ class Tokenizer:
             raise ValueError(f"{file} is not a tokenizer the tokenizers library reads: "
                              f"{error}") from None
         config = _read_json(folder / "tokenizer_config.json")
-        self.bos_token = _token_content(config.get("bos_token"))
-        self.eos_token = _token_content(config.get("eos_token"))
+        # Each named special token that is set, as templates see them (bos_token, ...).
+        self.special_tokens = {name: _token_content(config[name]) for name in SPECIAL_TOKEN_NAMES
+                               if isinstance(_token_content(config.get(name)), str)}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        # One template, or several by name ("default", "tool_use", ...), as transformers has it.
         self.chat_template = self._find_chat_template(folder, config)
         self.eos_token_ids = self._find_eos_ids(folder)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -125,15 +234,35 @@ class Tokenizer:
         self.max_chars_per_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
 
     @staticmethod
-    def _find_chat_template(folder: Path, config: Dict[str, Any]) -> Optional[str]:
+    def _find_chat_template(folder: Path, config: Dict[str, Any]
+                            ) -> Union[None, str, Dict[str, str]]:
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():
             return template_file.read_text()
         template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, list):
+            return {t["name"]: t["template"] for t in template}
         return template
+
+    def _pick_template(self, chat_template: Optional[str], tools: Any) -> str:
+        """transformers' choice: the given template (or the model's of that name), else the
+        model's; among named ones, "tool_use" where tools are given, else "default"."""
+        named = self.chat_template if isinstance(self.chat_template, dict) else {}
+        if chat_template is not None:
+            return named.get(chat_template, chat_template)
+        if named:
+            if tools is not None and "tool_use" in named:
+                return named["tool_use"]
+            if "default" in named:
+                return named["default"]
+            raise ValueError("This model has multiple chat templates with no default specified! "
+                             "Please either pass a chat template or the name of the template "
+                             "you wish to use to the `chat_template` argument. Available "
+                             f"template names are {sorted(named)}.")
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; pass chat_template= or use "
+                             "generate() with a plain prompt")
+        return self.chat_template
 
     def _find_eos_ids(self, folder: Path) -> Set[int]:
         ids: Set[int] = set()
@@ -184,7 +313,7 @@ class Tokenizer:
         except OSError as error:
             raise ValueError(f"cannot read chat template {value!r}: {error}") from None
         try:
-            _TemplateEnvironment().parse(template)
+            _environment().parse(template)
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"chat template {value[:80]!r} does not compile: {error}") from None
         return template
@@ -196,27 +325,22 @@ class Tokenizer:
         """The conversation as the template renders it. `continue_final_message` (HF's and
         vLLM's): the text ends with the last message's own, not closed, so the model goes
         on with that message (a prefilled answer) rather than starting a new one."""
-        template = chat_template or self.chat_template
-        if template is None:
-            raise ValueError("this model has no chat template; pass chat_template= or use "
-                             "generate() with a plain prompt")
+        template = self._pick_template(chat_template, kwargs.get("tools"))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true")
+        messages = template_messages(messages)
 
         def render(conversation: List[Dict[str, Any]]) -> str:
             return self._render(template, conversation, add_generation_prompt, **kwargs)
 
-        return _open_final_message(render, messages) if continue_final_message \
+        return _open_final_message(render, messages, template) if continue_final_message \
             else render(messages)
 
     def _render(self, template: str, messages: List[Dict[str, Any]],
                 add_generation_prompt: bool, **kwargs: Any) -> str:
-        env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                   extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda obj, indent=None, **kw: json.dumps(
-            obj, indent=indent, ensure_ascii=False)
-        env.globals["raise_exception"] = _raise_exception
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        """As transformers renders: its globals and filters, `tools` and `documents` None
+        unless given, the named special tokens (the caller's keywords over them)."""
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
+        return _environment().from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)

@@ -1,0 +1,106 @@
+"""Chat templates render as transformers renders them (the reference vLLM serves with): its
+globals and filters, named templates, the variables it always defines, messages as it
+normalises them. Each case renders with fulcrum's Tokenizer and with transformers'
+apply_chat_template on the same folder, and compares the text (or the error)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime
+
+import pytest
+from transformers import AutoTokenizer
+
+from fulcrum.tokenizer import Tokenizer
+
+USER = [{"role": "user", "content": "Hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def folder_with(tmp_path, llama_dir, template, **config):
+    """The tiny model's tokenizer with `template` (and `config`) in tokenizer_config.json."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(llama_dir / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template, **config}))
+    return folder
+
+
+def render_both(folder, messages, **kwargs):
+    """(transformers', fulcrum's) rendering: the text, or the error's type and message."""
+    def attempt(render):
+        try:
+            return render()
+        except Exception as error:  # noqa: BLE001 - compared, not handled
+            return f"{type(error).__name__}: {error}"
+
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer(str(folder))
+    kwargs.setdefault("add_generation_prompt", False)
+    return (attempt(lambda: hf.apply_chat_template(messages, tokenize=False, **kwargs)),
+            attempt(lambda: ours.apply_chat_template(messages, **kwargs)))
+
+
+CASES = {
+    # transformers' globals and filters
+    "strftime_now": ("{{ strftime_now('%Y') }}", USER, {}),
+    "tojson options": ("{{ {'b': [1, 2], 'a': 'é<'} | tojson(sort_keys=True, "
+                       "separators=(',', ':'), ensure_ascii=True) }}", USER, {}),
+    "generation tag": ("{% for m in messages %}{% generation %}{{ m.content }}"
+                       "{% endgeneration %}{% endfor %}", USER, {}),
+    "namespace underscore": ("{% set ns = namespace(_x=1) %}{{ ns._x }}", USER, {}),
+    # the variables it always defines, and only those
+    "tools and documents none": ("{{ tools is none }} {{ documents is none }}", USER, {}),
+    "special tokens": ("[{{ pad_token }}][{{ unk_token is defined }}][{{ bos_token }}]", USER,
+                       {}),
+    # messages: None values dropped, reasoning under each of its names
+    "none content": ("{% for m in messages %}[{{ m.role }}:{{ m.content }}]"
+                     "{{ 'content' in m }}{% endfor %}",
+                     USER + [{"role": "assistant", "content": None, "name": None}], {}),
+    "reasoning alias": ("{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}"
+                        "{% endfor %}",
+                        [{"role": "assistant", "content": "A", "reasoning": "why"}], {}),
+    # continue_final_message on content given as parts
+    "continue parts": ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}"
+                       "{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}"
+                       "{% endfor %}{% endif %}</s>{% endfor %}",
+                       USER + [{"role": "assistant",
+                                "content": [{"type": "text", "text": "Partial"}]}],
+                       {"continue_final_message": True}),
+    "continue nothing": ("{% for m in messages %}{{ m.content }}{% endfor %}",
+                         USER + [{"role": "assistant", "content": None}],
+                         {"continue_final_message": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_renders_as_transformers(tmp_path, llama_dir, name):
+    template, messages, kwargs = CASES[name]
+    folder = folder_with(tmp_path, llama_dir, template, pad_token="<pad>")
+    hf, ours = render_both(folder, messages, **kwargs)
+    assert ours == hf
+
+
+def test_a_template_dated_by_strftime_now_is_dated_today(tmp_path, llama_dir):
+    """Llama 3.2's template dates its system prompt, falling back to 26 Jul 2024 where
+    strftime_now is not defined (it was not)."""
+    template = ("{% if strftime_now is defined %}{{ strftime_now('%d %b %Y') }}"
+                "{% else %}26 Jul 2024{% endif %}")
+    hf, ours = render_both(folder_with(tmp_path, llama_dir, template), USER)
+    assert ours == hf == datetime.now().strftime("%d %b %Y")
+
+
+def test_named_templates_are_chosen_as_transformers_chooses(tmp_path, llama_dir):
+    """"tool_use" where tools are given (Hermes' templates), else "default"; without a
+    default, an error naming them."""
+    named = [{"name": "default", "template": "plain"},
+             {"name": "tool_use", "template": "tools: {{ tools | length }}"}]
+    folder = folder_with(tmp_path, llama_dir, named)
+    assert render_both(folder, USER) == ("plain", "plain")
+    assert render_both(folder, USER, tools=[WEATHER]) == ("tools: 1", "tools: 1")
+    assert render_both(folder, USER, chat_template="tool_use", tools=[]) == ("tools: 0",) * 2
+    hf, ours = render_both(folder_with(tmp_path, llama_dir, named[1:]), USER)
+    assert ours == hf and "no default specified" in ours
