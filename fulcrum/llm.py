@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from fulcrum.chat_template import CHAT_ROLES
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
@@ -16,7 +17,7 @@ from fulcrum.metrics import EngineMetrics, Metric, snapshot
 from fulcrum.outputs import RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
 from fulcrum.stats import StepReport
-from fulcrum.tokenizer import CHAT_ROLES, Tokenizer
+from fulcrum.tokenizer import Tokenizer
 
 Messages = List[Dict[str, Any]]
 

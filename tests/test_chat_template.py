@@ -104,3 +104,59 @@ def test_named_templates_are_chosen_as_transformers_chooses(tmp_path, llama_dir)
     assert render_both(folder, USER, chat_template="tool_use", tools=[]) == ("tools: 0",) * 2
     hf, ours = render_both(folder_with(tmp_path, llama_dir, named[1:]), USER)
     assert ours == hf and "no default specified" in ours
+
+
+def test_templates_and_special_tokens_are_found_where_transformers_finds_them(tmp_path,
+                                                                             llama_dir):
+    """additional_chat_templates/*.jinja (newer transformers saves tool_use templates there)
+    beside chat_template.jinja as "default"; special tokens also from special_tokens_map.json,
+    a model's own `*_token` entries and extra_special_tokens."""
+    folder = folder_with(tmp_path, llama_dir, "CONFIG", image_token="<img>",
+                         extra_special_tokens={"audio_token": "<aud>"})
+    (folder / "chat_template.jinja").write_text("DEFAULT {{ image_token }}{{ audio_token }}"
+                                                "{{ sep_token }}")
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ tools|length }}")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"sep_token": "<sep>"}))
+    assert render_both(folder, USER) == ("DEFAULT <img><aud><sep>",) * 2
+    assert render_both(folder, USER, tools=[WEATHER]) == ("TOOLS 1", "TOOLS 1")
+    (folder / "chat_template.jinja").unlink()
+    hf, ours = render_both(folder, USER)
+    assert ours == hf and "no default specified" in ours
+
+
+class _Writer:
+    def write(self) -> str:
+        return "WROTE"
+
+
+def test_a_template_sees_plain_data_only(tmp_path, llama_dir):
+    """The sandbox lets a template call an object's public methods: objects a caller passes
+    (LLM.chat's messages and keywords) reach it as placeholders, as in transformers."""
+    import enum
+
+    class Mode(str, enum.Enum):
+        A = "alpha"
+
+    folder = folder_with(tmp_path, llama_dir, "{{ messages[0].x.write() if messages[0].x.write "
+                         "is defined else messages[0].x }}|{{ mode }}")
+    messages = [{"role": "user", "content": "Hi", "x": _Writer()}]
+    assert Tokenizer(str(folder)).apply_chat_template(messages, mode=Mode.A) == \
+        "<_Writer>|alpha"
+
+
+def test_strftime_now_takes_no_field_widths(tmp_path, llama_dir):
+    """A width inside the format ("%9999Y" repeated) cost seconds and hundreds of MB."""
+    folder = folder_with(tmp_path, llama_dir, "{{ strftime_now('%9999Y') }}")
+    with pytest.raises(Exception, match="strftime_now takes no field widths"):
+        Tokenizer(str(folder)).apply_chat_template(USER)
+
+
+def test_the_server_passes_an_assistant_messages_reasoning_to_the_template():
+    """Templates that keep past reasoning (Qwen3's <think>) read it; the server dropped it."""
+    from fulcrum.server.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "assistant", "content": "A",
+                                          "reasoning_content": "why", "reasoning": "so"})
+    assert message.template_dict() == {"role": "assistant", "content": "A",
+                                       "reasoning_content": "why", "reasoning": "so"}

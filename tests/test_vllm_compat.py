@@ -152,14 +152,14 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(tuned_server, caplog):
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
-    from fulcrum.tokenizer import Tokenizer
+    from fulcrum.chat_template import load_chat_template
 
     template = "SYS{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     (tmp_path / "t.jinja").write_text(template)
-    assert Tokenizer.load_chat_template(str(tmp_path / "t.jinja")) == template
-    assert Tokenizer.load_chat_template(template) == template
+    assert load_chat_template(str(tmp_path / "t.jinja")) == template
+    assert load_chat_template(template) == template
     with pytest.raises(ValueError, match="does not compile"):
-        Tokenizer.load_chat_template("{% for m in messages %}")
+        load_chat_template("{% for m in messages %}")
     args = build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "t.jinja")])
     assert args.chat_template == str(tmp_path / "t.jinja")
 

@@ -148,13 +148,13 @@ def raise_open_file_limit(target: int = 65535) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fulcrum.tokenizer import Tokenizer
+    from fulcrum.chat_template import load_chat_template
 
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     # The server's own options are checked before any model loads (in any replica).
     keys = api_keys(args)
-    template = Tokenizer.load_chat_template(args.chat_template) if args.chat_template else None
+    template = load_chat_template(args.chat_template) if args.chat_template else None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     show_request_log(args)

@@ -13,8 +13,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fulcrum.chat_template import CHAT_ROLES
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
-from fulcrum.tokenizer import CHAT_ROLES, lone_surrogate
+from fulcrum.tokenizer import lone_surrogate
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -319,6 +320,9 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made
     tool_call_id: Optional[str] = None  # tool: the call this message answers
+    # assistant: its reasoning, which templates that keep past reasoning (Qwen3) show
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
@@ -347,6 +351,9 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        for name in ("reasoning_content", "reasoning"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
         return message
 
 

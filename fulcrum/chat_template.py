@@ -1,0 +1,321 @@
+"""Chat templates, rendered as transformers' `apply_chat_template` renders them (the
+reference vLLM serves with): in jinja's immutable sandbox, with transformers' globals and
+filters, its choice among named templates, the variables it always defines and messages as
+it normalises them; and bounded, since a template may be a request's own
+(--trust-request-chat-template) or a hub model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+import numpy as np
+
+Templates = Union[None, str, Dict[str, str]]  # a model's: one, or several by name
+
+# transformers' marker for continue_final_message: appended to the final message, looked for
+# in the rendered chat, cut there.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The roles a chat message may have (OpenAI's), on the server and offline alike.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# Where a message's reasoning may be (transformers'): templates read reasoning_content.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# The most items (characters, list entries) a template's `*` may make, and the most bits of a
+# `**`: a request's own template (--trust-request-chat-template) or a caller's cannot hold
+# the process up building {{ [0] * 10**9 }} (minutes and gigabytes, then a traceback that
+# quotes it).
+MAX_TEMPLATE_REPEAT = 1 << 20
+MAX_TEMPLATE_POWER_BITS = 1 << 16
+
+
+class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` checked before they run (jinja then never folds them
+    while compiling, either), and calls' counts (strftime_now's widths are refused where it
+    runs). Not bounded: widths inside format strings, filters' arguments
+    ({{ 'a' | center(10**9) }}, tojson's indent); loops (the sandbox caps a range at 100,000)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for count, items in ((left, right), (right, left)):
+                if isinstance(count, int) and hasattr(items, "__len__") \
+                        and count * len(items) > MAX_TEMPLATE_REPEAT:
+                    raise jinja2.exceptions.TemplateError(
+                        f"the chat template repeats {len(items)} items {count} times, more "
+                        f"than the {MAX_TEMPLATE_REPEAT} allowed")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and right * abs(left).bit_length() > MAX_TEMPLATE_POWER_BITS:
+            raise jinja2.exceptions.TemplateError(
+                f"the chat template raises {left} to the power {right}: too large a number")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calls with a count past the bound ("a".ljust(10**9), "a".center(...)) refused."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and abs(value) > MAX_TEMPLATE_REPEAT:
+                raise jinja2.exceptions.TemplateError(
+                    f"the chat template calls {getattr(__obj, '__name__', 'a function')} with "
+                    f"{value}, more than the {MAX_TEMPLATE_REPEAT} allowed")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+
+
+def _environment() -> _TemplateEnvironment:
+    """The sandbox with what transformers gives templates: its tojson, strftime_now,
+    raise_exception, namespace and {% generation %}, and loop controls."""
+    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
+                               extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
+                       namespace=_Namespace)
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(template: str) -> jinja2.Template:
+    """Compiled once (most of a render's time: ~18 ms for Llama 3.1's template)."""
+    return _environment().from_string(template)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple] = None, sort_keys: bool = False) -> str:
+    """transformers' tojson: json.dumps without jinja's HTML escaping, its options exposed."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+# A field width inside a strftime format ("%9999Y") makes Python's strftime retry ever larger
+# buffers: seconds and hundreds of megabytes for one call.
+_STRFTIME_WIDTH = re.compile(r"%[-_0^#]*[0-9]")
+
+
+def _strftime_now(format: str) -> str:
+    """transformers' strftime_now (templates date their system prompts: Llama 3.x), without
+    field widths."""
+    if _STRFTIME_WIDTH.search(format):
+        raise jinja2.exceptions.TemplateError("strftime_now takes no field widths")
+    return datetime.now().strftime(format)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """transformers' namespace: no attribute of a template's own may start with "_"."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's trick: namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"but got {name!r}. Please rename the attribute.")
+
+
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (marks the assistant's tokens
+    for training masks): rendering for inference, it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Callable[[], str]) -> str:
+        return caller()
+
+
+# ------------------------------------------------------------------- loading
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: a file's path or the
+    template itself (which, as there, must hold a brace or a newline: anything else is a
+    path that does not exist); a template that does not compile is refused at once."""
+    path = Path(value)
+    if not path.is_file() and not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template {value!r} looks like a file's path, but there is no "
+                         "such file (a template itself holds {{, {% or a newline)")
+    try:
+        template = path.read_text() if path.is_file() else value
+    except OSError as error:
+        raise ValueError(f"cannot read chat template {value!r}: {error}") from None
+    try:
+        _environment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat template {value[:80]!r} does not compile: {error}") from None
+    return template
+
+
+def find_chat_templates(folder: Path, config: Dict[str, Any]) -> Templates:
+    """A model folder's templates, where transformers looks: chat_template.jinja ("default")
+    and additional_chat_templates/*.jinja (by name) over tokenizer_config.json's."""
+    named = {path.stem: path.read_text()
+             for path in sorted((folder / "additional_chat_templates").glob("*.jinja"))}
+    main = folder / "chat_template.jinja"
+    if main.is_file():
+        named["default"] = main.read_text()
+    if named:
+        return named["default"] if list(named) == ["default"] else named
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template}
+    return template
+
+
+def pick_template(templates: Templates, chat_template: Optional[str], tools: Any) -> str:
+    """transformers' choice: the given template (or the model's of that name), else the
+    model's; among named ones, "tool_use" where tools are given, else "default"."""
+    named = templates if isinstance(templates, dict) else {}
+    if chat_template is not None:
+        return named.get(chat_template, chat_template)
+    if named:
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        if "default" in named:
+            return named["default"]
+        raise ValueError("This model has multiple chat templates with no default specified! "
+                         "Please either pass a chat template or the name of the template you "
+                         "wish to use to the `chat_template` argument. Available template "
+                         f"names are {sorted(named)}.")
+    if templates is None:
+        raise ValueError("this model has no chat template; pass chat_template= or use "
+                         "generate() with a plain prompt")
+    return templates
+
+
+# ----------------------------------------------------------------- rendering
+def render_chat(template: str, messages: List[Dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool, variables: Dict[str, Any]) -> str:
+    """The conversation as `template` renders it, `variables` (special tokens, tools,
+    chat_template_kwargs) beside the messages. `continue_final_message` (transformers' and
+    vLLM's): the text ends with the last message's own, not closed, so the model goes on
+    with it (a prefilled answer) rather than starting a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    if not messages:
+        raise ValueError("Cannot apply chat template to an empty conversation. Provide at "
+                         "least one message.")
+    messages = _template_messages(messages)
+    variables = {"tools": None, "documents": None, **_plain(variables)}
+    _check_documents(variables["documents"])
+
+    def render(conversation: List[Dict[str, Any]]) -> str:
+        return _compiled(template).render(messages=conversation,
+                                          add_generation_prompt=add_generation_prompt,
+                                          **variables)
+
+    if continue_final_message:
+        return _open_final_message(render, messages, template)
+    return render(messages)
+
+
+def _plain(value: Any) -> Any:
+    """What a template sees, rebuilt from plain JSON types (transformers'): the sandbox lets a
+    template call an object's public methods, so any other object is a placeholder naming
+    its type, and subclasses (enums of str, numpy scalars) are their base values."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _template_messages(messages: List[Any]) -> List[Dict[str, Any]]:
+    """The messages as transformers hands them to a template: plain data, keys whose value is
+    None dropped (templates test for a missing key, and would print "None"), and a message's
+    reasoning under each of its names."""
+    found = []
+    for message in _plain(list(messages)):
+        if not isinstance(message, dict):
+            raise TypeError(f"Chat messages should be dicts, but got {message!r}.")
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        found.append(message)
+    return found
+
+
+def _check_documents(documents: Any) -> None:
+    if documents is not None and not all(isinstance(d, dict) for d in documents):
+        raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
+
+
+def _open_final_message(render: Callable[[List[Dict[str, Any]]], str],
+                        messages: List[Dict[str, Any]], template: str) -> str:
+    """The chat rendered up to the end of its final message's text, as transformers does it:
+    the text tagged, rendered, cut at the tag (and the spaces a template trimmed, trimmed)."""
+    if "content" not in template:
+        raise ValueError('continue_final_message is set to "content" but this is not an '
+                         'accepted field in the chat_template')
+    final, tagged = _tag_final(messages[-1].get("content"))
+    text = render([*messages[:-1], {**messages[-1], "content": tagged}])
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise ValueError("continue_final_message is set, but the final message's text does "
+                         "not appear in the rendered chat template")
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+def _tag_final(content: Any) -> Tuple[str, Any]:
+    """(the final message's text to continue, its content with that text tagged): the text,
+    or the last text part's for content given as parts."""
+    if content is None:
+        raise ValueError('continue_final_message is set but the final message has no '
+                         '"content" to continue!')
+    if not isinstance(content, (list, tuple)):
+        return content, content + CONTINUE_TAG
+    parts = [dict(part) if isinstance(part, dict) else part for part in content]
+    at = next((i for i in reversed(range(len(parts)))
+               if isinstance(parts[i], dict) and "text" in parts[i]), None)
+    if at is None:
+        raise ValueError("continue_final_message is set but we could not find any text to "
+                         "continue in the final message!")
+    final = parts[at]["text"]
+    parts[at]["text"] = final + CONTINUE_TAG
+    return final, parts
