@@ -319,3 +319,82 @@ def _tag_final(content: Any) -> Tuple[str, Any]:
     final = parts[at]["text"]
     parts[at]["text"] = final + CONTINUE_TAG
     return final, parts
+
+
+# ------------------------------------------------------------- content format
+# How a template reads a message's content (vLLM's --chat-template-content-format): "string"
+# (text parts joined into one string first) or "openai" (OpenAI's list of parts, which the
+# template iterates); "auto" looks at the template.
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def message_content(content: Union[None, str, List[Dict[str, Any]]], content_format: str
+                    ) -> Union[str, List[Dict[str, Any]]]:
+    """A message's content (text, text parts, or none) as a template of `content_format`
+    ("string" or "openai") reads it: parts joined one a line, or text as one text part, as
+    vLLM gives them."""
+    parts = [] if content is None else (
+        [{"type": "text", "text": content}] if isinstance(content, str) else content)
+    if content_format == "openai":
+        return parts
+    return content if isinstance(content, str) else "\n".join(p.get("text") or "" for p in parts)
+
+
+@functools.lru_cache(maxsize=32)
+def content_format(template: str, requested: str = "auto") -> str:
+    """`requested`, or for "auto" the template's own (vLLM's detection): "openai" where it
+    loops over a message's content (`for part in message['content']`, through variables and
+    filters), else "string"."""
+    if requested != "auto":
+        return requested
+    try:
+        root = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists = _names_bound(root, {"messages"}, lambda node, names: _is_name(node, names))
+    messages = lists | {loop.target.name for loop in root.find_all(jinja2.nodes.For)
+                        if isinstance(loop.target, jinja2.nodes.Name)
+                        and _is_name(loop.iter, lists)}
+    messages |= _names_bound(root, messages, lambda node, names: _item(node, lists, None))
+    contents = _names_bound(root, set(), lambda node, _: _item(node, messages, "content"))
+    loops_over_content = any(_item(loop.iter, messages, "content") or _is_name(loop.iter, contents)
+                             for loop in root.find_all(jinja2.nodes.For))
+    return "openai" if loops_over_content else "string"
+
+
+def _names_bound(root: jinja2.nodes.Node, names: set,
+                 source: Callable[[jinja2.nodes.Node, set], bool]) -> set:
+    """`names`, and every name a {% set %} binds to a value `source` accepts."""
+    found = set(names)
+    for assign in root.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and source(assign.node, found):
+            found.add(assign.target.name)
+    return found
+
+
+def _unwrapped(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """The value under filters and slices (`messages[1:]`, `content | list`)."""
+    while True:
+        if isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _is_name(node: jinja2.nodes.Node, names: set) -> bool:
+    node = _unwrapped(node)
+    return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+
+def _item(node: jinja2.nodes.Node, names: set, key: Optional[str]) -> bool:
+    """Whether `node` is an item of one of `names`: its `key` (attribute or item), or with
+    key None any item by position (`messages[0]`)."""
+    node = _unwrapped(node)
+    if isinstance(node, jinja2.nodes.Getattr):
+        return key is not None and node.attr == key and _is_name(node.node, names)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        wanted = isinstance(node.arg.value, int) if key is None else node.arg.value == key
+        return wanted and _is_name(node.node, names)
+    return False

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from fulcrum.chat_template import CHAT_ROLES
+from fulcrum.chat_template import CHAT_ROLES, CONTENT_FORMATS, content_format, message_content
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
@@ -110,12 +110,18 @@ class LLM:
              add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None,
-             continue_final_message: bool = False) -> List[RequestOutput]:
+             continue_final_message: bool = False,
+             chat_template_content_format: str = "auto") -> List[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
         `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`), and so do
         `tools` (OpenAI's function definitions, as vLLM's `LLM.chat` takes them).
         `continue_final_message`: the last message stays open and the answer continues it
-        (with add_generation_prompt=False, as in vLLM)."""
+        (with add_generation_prompt=False, as in vLLM). `chat_template_content_format`
+        (vLLM's): how the template reads message content, "string" (text parts joined),
+        "openai" (a list of parts) or "auto" (as its loops show)."""
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("LLM.chat needs a conversation (a list of messages), got none")
@@ -124,13 +130,14 @@ class LLM:
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         params_list = self._params_per_prompt(sampling_params, len(conversations))
         prompts = []
+        template = tokenizer.template_for(chat_template, tools or None)
+        form = content_format(template, chat_template_content_format)
         for conversation, params in zip(conversations, params_list):
-            conversation = [_template_message(m) for m in conversation]
+            conversation = [_template_message(m, form) for m in conversation]
             if not conversation:
                 raise ValueError("a conversation needs at least one message")
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 chat_template, continue_final_message,
-                                                 **kwargs)
+                                                 template, continue_final_message, **kwargs)
             # The engine's encode: a text no max_model_len could hold is refused untokenized
             # (unless only its end is kept).
             prompts.append({"prompt": text, "prompt_token_ids": self.llm_engine.encode(
@@ -183,9 +190,9 @@ class LLM:
         self._metrics.record(StepReport(outputs, None, preempted, now), cumulative=True)
 
 
-def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
-    """A message as the chat template sees it: content given as text parts (OpenAI's list
-    form) joined one part a line, as the server and vLLM join them."""
+def _template_message(message: Dict[str, Any], form: str) -> Dict[str, Any]:
+    """A message as the chat template sees it, its content (text or text parts) in the
+    template's format `form`, as the server and vLLM give it."""
     if not isinstance(message, dict):
         raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
     if message.get("role") not in CHAT_ROLES:
@@ -195,16 +202,12 @@ def _template_message(message: Dict[str, Any]) -> Dict[str, Any]:
     if content is not None and not isinstance(content, (str, list)):
         raise ValueError(f"a chat message's content must be text or a list of text parts, "
                          f"got {type(content).__name__}")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
+    for part in content if isinstance(content, list) else []:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"fulcrum's models are text-only: a content part of type "
                              f"{kind!r} cannot be read")
-        texts.append(part.get("text") or "")
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": message_content(content, form)}
 
 
 def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:

@@ -109,6 +109,11 @@ class Tokenizer:
         """The whole tokenizer.json, which says how token strings spell bytes."""
         return self._tok.to_str()
 
+    def template_for(self, chat_template: Optional[str] = None, tools: Any = None) -> str:
+        """The template a chat renders with: `chat_template` (a template, or the name of one
+        of the model's), else the model's (its tool_use one where tools are given)."""
+        return pick_template(self.chat_template, chat_template, tools)
+
     def apply_chat_template(self, messages: List[Dict[str, Any]],
                             add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None,
@@ -116,6 +121,6 @@ class Tokenizer:
         """The conversation as the model's template (or `chat_template`, a template or the
         name of one of the model's) renders it, as transformers' apply_chat_template does;
         `kwargs` (tools, documents, chat_template_kwargs) reach the template."""
-        template = pick_template(self.chat_template, chat_template, kwargs.get("tools"))
+        template = self.template_for(chat_template, kwargs.get("tools"))
         return render_chat(template, messages, add_generation_prompt, continue_final_message,
                            {**self.special_tokens, **kwargs})

@@ -160,3 +160,47 @@ def test_the_server_passes_an_assistant_messages_reasoning_to_the_template():
                                           "reasoning_content": "why", "reasoning": "so"})
     assert message.template_dict() == {"role": "assistant", "content": "A",
                                        "reasoning_content": "why", "reasoning": "so"}
+
+
+GEMMA3_LIKE = ("{% set loop_messages = messages[1:] %}{% for message in loop_messages %}"
+               "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+               "{% for item in message['content'] %}<{{ item['text'] }}>{% endfor %}"
+               "{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, found", [
+    (GEMMA3_LIKE, "openai"),
+    ("{% for m in messages %}{% set c = m.content %}{% for p in c | list %}{% endfor %}"
+     "{% endfor %}", "openai"),
+    ("{% set first = messages[0] %}{% for p in first['content'] %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{{ m['content'] }}{% for t in tools %}{% endfor %}{% endfor %}",
+     "string"),
+])
+def test_content_format_is_detected_as_vllm_detects_it(template, found):
+    from fulcrum.chat_template import content_format
+
+    assert content_format(template) == found
+    assert content_format(template, "string") == "string"
+
+
+def test_llm_chat_gives_content_in_the_templates_format(llama_dir):
+    """A template that loops over content parts (Gemma 3's) gets parts, text given as a string
+    included; one that prints content gets parts joined; both as vLLM gives them."""
+    from fulcrum import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir))
+    chat = [{"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+            {"role": "user", "content": "c"}]
+    params = SamplingParams(max_tokens=1)
+
+    def prompt(template, **kwargs):
+        return llm.chat(chat, params, use_tqdm=False, chat_template=template,
+                        **kwargs)[0].prompt
+
+    assert prompt(GEMMA3_LIKE) == "<a><b><c>"
+    assert prompt("{% for m in messages %}[{{ m.content }}]{% endfor %}") == "[S][a\nb][c]"
+    assert prompt(GEMMA3_LIKE, chat_template_content_format="string") == "a\nbc"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        prompt(GEMMA3_LIKE, chat_template_content_format="parts")

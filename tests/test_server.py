@@ -542,6 +542,11 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
                                    "max_tokens": 1})
         assert ok.status_code == 200
         assert ok.json()["usage"]["prompt_tokens"] == len("Be brief.Hi there!")
+        # A template that loops over content parts gets them (vLLM's auto content format).
+        parts = httpx.post(url, json={"messages": CHAT, "max_tokens": 1, "chat_template":
+                                      "{% for m in messages %}{% for p in m['content'] %}"
+                                      "{{ p['text'] }}{% endfor %}{% endfor %}"})
+        assert parts.json()["usage"]["prompt_tokens"] == len("Be brief.Hi there!")
         bad = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                     "chat_template": "{{ raise_exception('no way') }}"})
         assert bad.status_code == 400 and "no way" in bad.json()["error"]["message"]

@@ -115,18 +115,22 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
               tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
               cors: Optional[Dict[str, Any]] = None,
               stats_interval: Optional[float] = None, web_ui: bool = True,
-              request_id_headers: bool = False) -> FastAPI:
+              request_id_headers: bool = False,
+              chat_template_content_format: str = "auto") -> FastAPI:
     """The server's app. `served_model_name`: one name or several (aliases; the first is the
     one responses carry). `api_key`: one key or several; None or empty leaves /v1 open.
     `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused).
     `cors`: CORSMiddleware's keywords (allow_origins, ...), None for no CORS headers.
     `stats_interval`: seconds between stats lines in the log (None: none). `web_ui`: serve
     the playground and dashboard page at / (see dashboard.py). `request_id_headers`: every
-    response carries X-Request-Id (--enable-request-id-headers)."""
+    response carries X-Request-Id (--enable-request-id-headers).
+    `chat_template_content_format`: how templates read message content (see
+    chat_template.content_format)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = ServerMetrics(async_llm, names[0])
     serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
-                            chat_template, tool_call_parser, max_log_len, metrics)
+                            chat_template, tool_call_parser, max_log_len, metrics,
+                            chat_template_content_format)
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine",
                   lifespan=_lifespan(StatsLogger(async_llm, metrics, stats_interval)))

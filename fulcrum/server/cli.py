@@ -9,6 +9,7 @@ import resource
 from typing import Any, Dict, List, Optional
 
 from fulcrum.arg_types import non_empty, non_negative_int, port, positive_int, seconds, string_list
+from fulcrum.chat_template import CONTENT_FORMATS
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ def register(subparsers) -> None:
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the chat template to use instead of the model's: a file or "
                              "the Jinja template itself (vLLM's flag)")
+    server.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS,
+                        default="auto",
+                        help="how the chat template reads message content: 'string' (text "
+                             "parts joined), 'openai' (a list of parts), or 'auto' (as the "
+                             "template's loops show; vLLM's flag)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (off: refused)")
     server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
@@ -172,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                     args.enable_log_requests, template, parser, args.max_log_len,
                     cors_options(args),
                     None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui,
-                    args.enable_request_id_headers)
+                    args.enable_request_id_headers, args.chat_template_content_format)
     try:
         return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level)
     finally:

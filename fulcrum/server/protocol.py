@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.chat_template import CHAT_ROLES
+from fulcrum.chat_template import CHAT_ROLES, message_content
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.tokenizer import lone_surrogate
 
@@ -334,13 +334,14 @@ class ChatMessage(BaseModel):
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
-    def template_dict(self) -> Dict[str, Any]:
-        """The message as the chat template sees it: text parts joined into one string, one
-        part a line (as vLLM joins them)."""
+    def template_dict(self, content_format: str = "string") -> Dict[str, Any]:
+        """The message as the chat template sees it, its content in the template's format
+        (`chat_template.message_content`: text parts joined one a line, or a list of parts)."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text or "" for part in content)
-        message: Dict[str, Any] = {"role": self.role, "content": content or ""}
+            content = [part.model_dump(exclude_none=True) for part in content]
+        message: Dict[str, Any] = {"role": self.role,
+                                   "content": message_content(content, content_format)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from fulcrum.chat_template import content_format
 from fulcrum.detokenizer import TextOffsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
@@ -416,7 +417,8 @@ class OpenAIServing:
                  trust_request_chat_template: bool = False, log_requests: bool = False,
                  chat_template: Optional[str] = None,
                  tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
-                 metrics: Optional[EngineMetrics] = None) -> None:
+                 metrics: Optional[EngineMetrics] = None,
+                 chat_template_content_format: str = "auto") -> None:
         self.llm = async_llm
         self.model_names = list(model_names)  # any may be asked for; responses carry the first
         self.model_name = self.model_names[0]
@@ -425,6 +427,8 @@ class OpenAIServing:
         # --enable-auto-tool-choice with --tool-call-parser: how tool_choice "auto" reads calls.
         self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
+        # How templates read message content (--chat-template-content-format; vLLM's).
+        self.chat_template_content_format = chat_template_content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
         self._renders = asyncio.Semaphore(MAX_RENDERS)
@@ -652,9 +656,10 @@ class OpenAIServing:
         if tools:
             kwargs["tools"] = tools
         try:
-            text = tokenizer.apply_chat_template([m.template_dict() for m in messages],
-                                                 add_generation_prompt,
-                                                 chat_template or self.chat_template,
+            template = tokenizer.template_for(chat_template or self.chat_template, tools)
+            form = content_format(template, self.chat_template_content_format)
+            text = tokenizer.apply_chat_template([m.template_dict(form) for m in messages],
+                                                 add_generation_prompt, template,
                                                  continue_final_message, **kwargs)
             token_ids = self.llm.engine.encode(text, False, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
