@@ -114,6 +114,7 @@ class LLMEngine:
         self._step_counter = itertools.count()
         self._request_counter = itertools.count()
         self.slo_defaults = SloTargets()
+        self._profiled_prompt_s = 0.0  # the longest prompt step the profile measured
         if self.config.scheduling_policy == "slo":
             self._profile_step_time()
         self.slo_defaults = self._resolve_slo_defaults()
@@ -145,6 +146,7 @@ class LLMEngine:
         pays for one-time costs: allocations, kernel builds); then the engine is as new."""
         for _ in range(2):
             self.step_time.reset()
+            self.stats.clear()
             self.block_manager.reset_prefix_cache()  # the second run must compute its prompts too
             for request_id, prompt, max_tokens in self._profile_requests():
                 self.add_request(request_id, {"prompt_token_ids": prompt},
@@ -152,6 +154,8 @@ class LLMEngine:
                                                 ignore_eos=True))
             while self.has_unfinished_requests():
                 self.step()
+        self._profiled_prompt_s = max((s.wall_seconds for s in self.stats
+                                       if s.num_prefill_tokens), default=0.0)
         self.step_time.anchor_here()
         self.block_manager.reset_prefix_cache()
         self.stats.clear()
@@ -181,7 +185,8 @@ class LLMEngine:
         """The targets of requests that set none: the configured ones, else those the step
         time predicts (`derived_targets`)."""
         config = self.config
-        derived = derived_targets(self.step_time, config.max_num_batched_tokens)
+        derived = derived_targets(self.step_time, config.max_num_batched_tokens,
+                                  self._profiled_prompt_s)
         return SloTargets(
             config.slo_ttft_ms / 1e3 if config.slo_ttft_ms is not None else derived.ttft_s,
             config.slo_tpot_ms / 1e3 if config.slo_tpot_ms is not None else derived.tpot_s)

@@ -237,6 +237,11 @@ def test_the_default_targets_are_half_a_full_budget_step():
     full = model.prefill_seconds(0, BUDGET)
     assert derived_targets(model, BUDGET) == SloTargets(full / 2, full / 2)
     assert derived_targets(StepTimeModel(), BUDGET) == SloTargets()  # nothing seen: none
+    # A fit noise left predicting no time (a test saw targets of +inf on a busy machine):
+    # the longest prompt step measured stands in.
+    degenerate = StepTimeModel()
+    degenerate.coefficients = (-1.0,) + (0.0,) * (len(degenerate.coefficients) - 1)
+    assert derived_targets(degenerate, BUDGET, 0.5) == SloTargets(0.25, 0.25)
 
 
 def test_least_slack_first_across_targets():

@@ -312,15 +312,18 @@ class SloPolicy(FcfsPolicy):
                              self.config.long_prefill_token_threshold)
 
 
-def derived_targets(model: StepTimeModel, budget: int) -> SloTargets:
+def derived_targets(model: StepTimeModel, budget: int, measured_s: float = 0.0) -> SloTargets:
     """Targets for requests that set none, from the predicted time of a full-budget prompt
     step, `full`: TTFT and TPOT full / 2. A step's prompts then add at most a quarter
     budget's time to its decodes (SLO_ARRIVAL_SHARE of the TTFT target), so a short request
     arriving behind a long prompt has its first token within about full / 2. A looser TTFT
     target lets long prompts take longer steps, faster for them and slower for the short
     requests arriving meanwhile (`fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows
-    the trade-off; `--slo-ttft-ms` moves along it). No steps seen yet: no targets."""
+    the trade-off; `--slo-ttft-ms` moves along it). Where the fit predicts no positive time
+    (a few noisy profile steps on a busy machine can leave it so), `measured_s`, the longest
+    prompt step measured, stands in. No steps seen yet: no targets."""
     full = model.prefill_seconds(0, budget)
+    full = full if full > 0 else measured_s
     return SloTargets(full / 2, full / 2) if full > 0 else SloTargets()
 
 
