@@ -328,73 +328,113 @@ def _tag_final(content: Any) -> Tuple[str, Any]:
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+def check_content_format(value: str) -> None:
+    if value not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of "
+                         f"{', '.join(CONTENT_FORMATS)}, got {value!r}")
+
+
 def message_content(content: Union[None, str, List[Dict[str, Any]]], content_format: str
                     ) -> Union[str, List[Dict[str, Any]]]:
     """A message's content (text, text parts, or none) as a template of `content_format`
-    ("string" or "openai") reads it: parts joined one a line, or text as one text part, as
-    vLLM gives them."""
-    parts = [] if content is None else (
-        [{"type": "text", "text": content}] if isinstance(content, str) else content)
+    ("string" or "openai") reads it, as vLLM gives it: the parts' texts (none, or empty, left
+    out) joined one a line, or each text as a text part of its own."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content_format == "openai" else content
+    texts = [part.get("text") for part in content or []]
     if content_format == "openai":
-        return parts
-    return content if isinstance(content, str) else "\n".join(p.get("text") or "" for p in parts)
+        return [{"type": "text", "text": text} for text in texts if text is not None]
+    return "\n".join(text for text in texts if text)
+
+
+def template_tool_calls(tool_calls: Any) -> Any:
+    """An assistant message's tool calls as vLLM hands them to templates: each call's
+    arguments an object, not its JSON text (text that is no JSON stays text; none is {});
+    an empty list is no calls."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            call = {**call, "function": {**function,
+                                         "arguments": _arguments(function.get("arguments"))}}
+        calls.append(call)
+    return calls or None
+
+
+def _arguments(value: Any) -> Any:
+    if not value:
+        return {}
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):  # nested past Python's limit: text, as any non-JSON
+        return value
 
 
 @functools.lru_cache(maxsize=32)
 def content_format(template: str, requested: str = "auto") -> str:
-    """`requested`, or for "auto" the template's own (vLLM's detection): "openai" where it
-    loops over a message's content (`for part in message['content']`, through variables and
-    filters), else "string"."""
+    """`requested`, or for "auto" the template's own, detected as vLLM detects it: "openai"
+    where the template loops over the content of a message it loops over (`for message in
+    messages` ... `for part in message['content']`, through {% set %} names, filters and
+    slices), else "string"."""
     if requested != "auto":
         return requested
     try:
         root = _environment().parse(template)
-    except jinja2.TemplateSyntaxError:
+        messages = _bound_names(root, "messages")
+        items = {loop.target.name for loop in _loops_over(root, messages, None)}
+        return "openai" if any(True for _ in _loops_over(root, items, "content")) else "string"
+    except (jinja2.TemplateSyntaxError, TypeError):
         return "string"
-    lists = _names_bound(root, {"messages"}, lambda node, names: _is_name(node, names))
-    messages = lists | {loop.target.name for loop in root.find_all(jinja2.nodes.For)
-                        if isinstance(loop.target, jinja2.nodes.Name)
-                        and _is_name(loop.iter, lists)}
-    messages |= _names_bound(root, messages, lambda node, names: _item(node, lists, None))
-    contents = _names_bound(root, set(), lambda node, _: _item(node, messages, "content"))
-    loops_over_content = any(_item(loop.iter, messages, "content") or _is_name(loop.iter, contents)
-                             for loop in root.find_all(jinja2.nodes.For))
-    return "openai" if loops_over_content else "string"
 
 
-def _names_bound(root: jinja2.nodes.Node, names: set,
-                 source: Callable[[jinja2.nodes.Node, set], bool]) -> set:
-    """`names`, and every name a {% set %} binds to a value `source` accepts."""
-    found = set(names)
-    for assign in root.find_all(jinja2.nodes.Assign):
-        if isinstance(assign.target, jinja2.nodes.Name) and source(assign.node, found):
-            found.add(assign.target.name)
+def _loops_over(root: jinja2.nodes.Node, names: set, key: Optional[str]):
+    """The loops over one of `names` (or over its `key`); a loop that unpacks what it takes
+    is one vLLM's detection does not follow (TypeError)."""
+    for loop in root.find_all(jinja2.nodes.For):
+        if any(_reads(loop.iter, name, key) for name in names):
+            if not isinstance(loop.target, jinja2.nodes.Name):
+                raise TypeError("a loop unpacks its items")
+            yield loop
+
+
+def _bound_names(root: jinja2.nodes.Node, name: str) -> set:
+    """`name` and every name {% set %} binds to it (or to its filtered or sliced value), and
+    to those, and so on (vLLM's walk, which a cycle of names does not hold up here)."""
+    found, pending = {name}, [name]
+    while pending:
+        source = pending.pop()
+        for assign in root.find_all(jinja2.nodes.Assign):
+            if not _reads(assign.node, source, None):
+                continue
+            if not isinstance(assign.target, jinja2.nodes.Name):
+                raise TypeError("a {% set %} binds the messages to other than a name")
+            if assign.target.name not in found:
+                found.add(assign.target.name)
+                pending.append(assign.target.name)
     return found
 
 
-def _unwrapped(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
-    """The value under filters and slices (`messages[1:]`, `content | list`)."""
+def _reads(node: jinja2.nodes.Node, name: str, key: Optional[str]) -> bool:
+    """Whether `node` is `name` (or its `key`, as an item or an attribute), under filters,
+    tests and slices."""
     while True:
-        if isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
             node = node.node
         elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
             node = node.node
         else:
-            return node
+            break
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+            return node.arg.value == key and _reads_name(node.node, name)
+        return isinstance(node, jinja2.nodes.Getattr) and node.attr == key \
+            and _reads_name(node.node, name)
+    return _reads_name(node, name)
 
 
-def _is_name(node: jinja2.nodes.Node, names: set) -> bool:
-    node = _unwrapped(node)
-    return isinstance(node, jinja2.nodes.Name) and node.name in names
-
-
-def _item(node: jinja2.nodes.Node, names: set, key: Optional[str]) -> bool:
-    """Whether `node` is an item of one of `names`: its `key` (attribute or item), or with
-    key None any item by position (`messages[0]`)."""
-    node = _unwrapped(node)
-    if isinstance(node, jinja2.nodes.Getattr):
-        return key is not None and node.attr == key and _is_name(node.node, names)
-    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
-        wanted = isinstance(node.arg.value, int) if key is None else node.arg.value == key
-        return wanted and _is_name(node.node, names)
-    return False
+def _reads_name(node: jinja2.nodes.Node, name: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name

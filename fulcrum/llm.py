@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from fulcrum.chat_template import CHAT_ROLES, CONTENT_FORMATS, content_format, message_content
+from fulcrum.chat_template import (CHAT_ROLES, check_content_format, content_format,
+                                   message_content, template_tool_calls)
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
@@ -119,9 +120,7 @@ class LLM:
         (with add_generation_prompt=False, as in vLLM). `chat_template_content_format`
         (vLLM's): how the template reads message content, "string" (text parts joined),
         "openai" (a list of parts) or "auto" (as its loops show)."""
-        if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be one of "
-                             f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}")
+        check_content_format(chat_template_content_format)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("LLM.chat needs a conversation (a list of messages), got none")
@@ -207,7 +206,10 @@ def _template_message(message: Dict[str, Any], form: str) -> Dict[str, Any]:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"fulcrum's models are text-only: a content part of type "
                              f"{kind!r} cannot be read")
-    return {**message, "content": message_content(content, form)}
+    message = {**message, "content": message_content(content, form)}
+    if "tool_calls" in message:
+        message["tool_calls"] = template_tool_calls(message["tool_calls"])
+    return message
 
 
 def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:

@@ -168,19 +168,51 @@ GEMMA3_LIKE = ("{% set loop_messages = messages[1:] %}{% for message in loop_mes
                "{% endif %}{% endfor %}")
 
 
+MISTRAL_NEMO_LIKE = ("{% for message in messages %}{% if message.tool_calls is defined %}"
+                     "{% set tool_calls = message.tool_calls %}{% else %}"
+                     "{% set tool_calls = message.content %}{% endif %}"
+                     "{% for tool_call in tool_calls %}{% endfor %}"
+                     "{{ '[INST]' + message['content'] }}{% endfor %}")
+
+
 @pytest.mark.parametrize("template, found", [
     (GEMMA3_LIKE, "openai"),
-    ("{% for m in messages %}{% set c = m.content %}{% for p in c | list %}{% endfor %}"
-     "{% endfor %}", "openai"),
-    ("{% set first = messages[0] %}{% for p in first['content'] %}{% endfor %}", "openai"),
+    ("{% for m in messages | selectattr('role') %}{% for p in m['content'] | list %}"
+     "{% endfor %}{% endfor %}", "openai"),
+    # vLLM follows names bound to the messages, not names bound to a message's content: a
+    # loop over such a name (Mistral-Nemo's tool calls) leaves the template a string one,
+    # which then adds content to text (a list there failed every request).
+    (MISTRAL_NEMO_LIKE, "string"),
+    ("{% set first = messages[0] %}{% for p in first['content'] %}{% endfor %}", "string"),
     ("{% for m in messages %}{{ m['content'] }}{% for t in tools %}{% endfor %}{% endfor %}",
      "string"),
+    ("{% set a = messages %}{% set b = a %}{% set a = b %}{% for m in b %}"
+     "{% for p in m.content %}{% endfor %}{% endfor %}", "openai"),  # a cycle of names
+    ("{% for i, m in messages | enumerate %}{% endfor %}", "string"),  # vLLM gives up
 ])
 def test_content_format_is_detected_as_vllm_detects_it(template, found):
     from fulcrum.chat_template import content_format
 
     assert content_format(template) == found
     assert content_format(template, "string") == "string"
+
+
+def test_content_and_tool_calls_as_vllm_hands_them_to_templates():
+    from fulcrum.chat_template import message_content, template_tool_calls
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+             {"type": "text", "text": None}, {"type": "text", "text": "b", "x": 1}]
+    assert message_content(parts, "string") == "a\nb"
+    assert message_content(parts, "openai") == [{"type": "text", "text": t}
+                                                for t in ("a", "", "b")]
+    assert message_content(None, "string") == "" and message_content(None, "openai") == []
+    assert message_content("c", "openai") == [{"type": "text", "text": "c"}]
+    calls = [{"id": "1", "function": {"name": "f", "arguments": args}}
+             for args in ('{"city": "Paris"}', "", None, "not json", {"a": 1})]
+    assert [c["function"]["arguments"] for c in template_tool_calls(calls)] == [
+        {"city": "Paris"}, {}, {}, "not json", {"a": 1}]
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's untouched
+    assert template_tool_calls([]) is None
 
 
 def test_llm_chat_gives_content_in_the_templates_format(llama_dir):
@@ -204,3 +236,19 @@ def test_llm_chat_gives_content_in_the_templates_format(llama_dir):
     assert prompt(GEMMA3_LIKE, chat_template_content_format="string") == "a\nbc"
     with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
         prompt(GEMMA3_LIKE, chat_template_content_format="parts")
+
+
+def test_llm_chat_hands_tool_call_arguments_as_objects(llama_dir):
+    """As vLLM's LLM.chat and fulcrum's server do (a template printed the JSON text again)."""
+    from fulcrum import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir))
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.arguments | tojson }}{% endfor %}[{{ m.content }}]{% endfor %}")
+    (output,) = llm.chat(chat, SamplingParams(max_tokens=1), use_tqdm=False,
+                         chat_template=template)
+    assert output.prompt == '[Weather?]{"city": "Paris"}[]'

@@ -242,6 +242,9 @@ def test_the_default_targets_are_half_a_full_budget_step():
     degenerate = StepTimeModel()
     degenerate.coefficients = (-1.0,) + (0.0,) * (len(degenerate.coefficients) - 1)
     assert derived_targets(degenerate, BUDGET, 0.5) == SloTargets(0.25, 0.25)
+    degenerate.coefficients = (1e-7,) + degenerate.coefficients[1:]  # next to nothing
+    assert derived_targets(degenerate, BUDGET, 0.5) == SloTargets(0.25, 0.25)
+    assert derived_targets(model, BUDGET, full) == SloTargets(full / 2, full / 2)
 
 
 def test_least_slack_first_across_targets():

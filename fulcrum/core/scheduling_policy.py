@@ -319,11 +319,12 @@ def derived_targets(model: StepTimeModel, budget: int, measured_s: float = 0.0) 
     arriving behind a long prompt has its first token within about full / 2. A looser TTFT
     target lets long prompts take longer steps, faster for them and slower for the short
     requests arriving meanwhile (`fulcrum bench report --engines fulcrum,fulcrum-fcfs` shows
-    the trade-off; `--slo-ttft-ms` moves along it). Where the fit predicts no positive time
-    (a few noisy profile steps on a busy machine can leave it so), `measured_s`, the longest
-    prompt step measured, stands in. No steps seen yet: no targets."""
+    the trade-off; `--slo-ttft-ms` moves along it). Where the fit predicts under a quarter of
+    `measured_s`, the longest prompt step measured (a few noisy profile steps on a busy
+    machine can leave it predicting nothing), the measurement stands in. No steps seen yet:
+    no targets."""
     full = model.prefill_seconds(0, budget)
-    full = full if full > 0 else measured_s
+    full = full if full >= measured_s / 4 else measured_s
     return SloTargets(full / 2, full / 2) if full > 0 else SloTargets()
 
 

@@ -7,13 +7,12 @@ rejected with a 400 naming the field, never dropped silently.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.chat_template import CHAT_ROLES, message_content
+from fulcrum.chat_template import CHAT_ROLES, message_content, template_tool_calls
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.tokenizer import lone_surrogate
 
@@ -345,24 +344,16 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            # As vLLM hands them to HF templates: arguments as an object, not its text.
-            message["tool_calls"] = [
+            message["tool_calls"] = template_tool_calls([
                 {"id": c.id, "type": c.type, "function": {
-                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                for c in self.tool_calls]
+                    "name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls])
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         for name in ("reasoning_content", "reasoning"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
         return message
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # nested past Python's limit: text, as any non-JSON
-        return text
 
 
 class ChatCompletionRequest(SamplingRequest):

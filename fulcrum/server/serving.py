@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
-from fulcrum.chat_template import content_format
+from fulcrum.chat_template import check_content_format, content_format
 from fulcrum.detokenizer import TextOffsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
@@ -428,6 +428,7 @@ class OpenAIServing:
         self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
         # How templates read message content (--chat-template-content-format; vLLM's).
+        check_content_format(chat_template_content_format)
         self.chat_template_content_format = chat_template_content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
