@@ -186,8 +186,14 @@ def find_chat_templates(folder: Path, config: Dict[str, Any]) -> Templates:
     if named:
         return named["default"] if list(named) == ["default"] else named
     template = config.get("chat_template")
-    if isinstance(template, list):
+    if isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) for t in template):
         return {t["name"]: t["template"] for t in template}
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template must be a "
+                         "template or a list of {\"name\": ..., \"template\": ...}, got "
+                         f"{json.dumps(template)[:80]}")
     return template
 
 

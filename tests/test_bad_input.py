@@ -461,6 +461,10 @@ def test_weight_shape_mismatch(llama_dir, tmp_path):
     ("config.json", b"\xff\xfe{}", r"config\.json is not text"),
     ("tokenizer.json", b"garbage", r"tokenizer\.json is not a tokenizer"),
     ("tokenizer_config.json", b"{\"bos_token\": ", r"tokenizer_config\.json is not valid JSON"),
+    ("tokenizer_config.json", b"{\"chat_template\": [{\"template\": \"x\"}]}",
+     r"tokenizer_config\.json: chat_template must be a template or a list"),
+    ("tokenizer_config.json", b"{\"chat_template\": 7}",
+     r"tokenizer_config\.json: chat_template must be a template or a list"),
     ("generation_config.json", b"nope", r"generation_config\.json is not valid JSON"),
     ("model.safetensors", b"\x10\x00\x00", r"model\.safetensors is not a readable safetensors"),
 ])
