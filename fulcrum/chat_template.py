@@ -40,17 +40,23 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # quotes it).
 MAX_TEMPLATE_REPEAT = 1 << 20
 MAX_TEMPLATE_POWER_BITS = 1 << 16
+MAX_TEMPLATE_RANGE_ITEMS = 1 << 20
 
 
 class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """The sandbox, with `*` and `**` checked before they run (jinja then never folds them
     while compiling, either), and calls' counts (strftime_now's widths are refused where it
-    runs). Not bounded: widths inside format strings, filters' arguments
-    ({{ 'a' | center(10**9) }}, tojson's indent); loops (the sandbox caps a range at 100,000)."""
+    runs), and the items of all a render's ranges together (`_RangeBudget`). Not bounded:
+    widths inside format strings, filters' arguments ({{ 'a' | center(10**9) }}, tojson's
+    indent), `~` and `+` of growing strings; loops over other sequences."""
 
     intercepted_binops = frozenset({"*", "**"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*" and isinstance(left, int) and isinstance(right, int) \
+                and abs(left).bit_length() + abs(right).bit_length() > MAX_TEMPLATE_POWER_BITS:
+            raise jinja2.exceptions.TemplateError(
+                "the chat template multiplies two numbers into too large a number")
         if operator == "*":
             for count, items in ((left, right), (right, left)):
                 if isinstance(count, int) and hasattr(items, "__len__") \
@@ -76,6 +82,24 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
 
 
+class _RangeBudget:
+    """`range` for one render: the sandbox caps each range at 100,000 items, but loops nest
+    (two such loops are 10**10 steps, a thread busy for hours); all of a render's ranges
+    together may give MAX_TEMPLATE_RANGE_ITEMS."""
+
+    def __init__(self) -> None:
+        self.left = MAX_TEMPLATE_RANGE_ITEMS
+
+    def __call__(self, *args: int) -> range:
+        items = jinja2.sandbox.safe_range(*args)
+        self.left -= len(items)
+        if self.left < 0:
+            raise jinja2.exceptions.TemplateError(
+                f"the chat template's loops over ranges take more than "
+                f"{MAX_TEMPLATE_RANGE_ITEMS} steps")
+        return items
+
+
 def _environment() -> _TemplateEnvironment:
     """The sandbox with what transformers gives templates: its tojson, strftime_now,
     raise_exception, namespace and {% generation %}, and loop controls."""
@@ -89,8 +113,14 @@ def _environment() -> _TemplateEnvironment:
 
 @functools.lru_cache(maxsize=32)
 def _compiled(template: str) -> jinja2.Template:
-    """Compiled once (most of a render's time: ~18 ms for Llama 3.1's template)."""
-    return _environment().from_string(template)
+    """Compiled once (most of a render's time: ~18 ms for Llama 3.1's template). Blocks nested
+    past what Python compiles (jinja's code for them) are the template's error."""
+    try:
+        return _environment().from_string(template)
+    except (SyntaxError, RecursionError, MemoryError) as error:
+        raise jinja2.exceptions.TemplateSyntaxError(
+            f"the chat template nests too deeply to compile ({type(error).__name__})", 1) \
+            from None
 
 
 def _raise_exception(message: str) -> None:
@@ -160,16 +190,18 @@ def load_chat_template(value: str) -> str:
     """A chat template given as vLLM's `--chat-template` takes it: a file's path or the
     template itself (which, as there, must hold a brace or a newline: anything else is a
     path that does not exist); a template that does not compile is refused at once."""
-    path = Path(value)
-    if not path.is_file() and not any(c in value for c in "{}\n"):
+    is_template = any(c in value for c in "{}\n")
+    try:
+        template = Path(value).read_text() if Path(value).is_file() else value
+    except (OSError, UnicodeDecodeError) as error:  # a template too long to be a file's name
+        if not is_template:
+            raise ValueError(f"cannot read chat template {value!r}: {error}") from None
+        template = value
+    if template is value and not is_template:
         raise ValueError(f"chat template {value!r} looks like a file's path, but there is no "
                          "such file (a template itself holds {{, {% or a newline)")
     try:
-        template = path.read_text() if path.is_file() else value
-    except OSError as error:
-        raise ValueError(f"cannot read chat template {value!r}: {error}") from None
-    try:
-        _environment().parse(template)
+        _compiled(template)
     except jinja2.TemplateSyntaxError as error:
         raise ValueError(f"chat template {value[:80]!r} does not compile: {error}") from None
     return template
@@ -186,7 +218,7 @@ def find_chat_templates(folder: Path, config: Dict[str, Any]) -> Templates:
     if named:
         return named["default"] if list(named) == ["default"] else named
     template = config.get("chat_template")
-    if isinstance(template, list) and all(
+    if isinstance(template, list) and template and all(
             isinstance(t, dict) and isinstance(t.get("name"), str)
             and isinstance(t.get("template"), str) for t in template):
         return {t["name"]: t["template"] for t in template}
@@ -230,14 +262,18 @@ def render_chat(template: str, messages: List[Dict[str, Any]], add_generation_pr
     if not messages:
         raise ValueError("Cannot apply chat template to an empty conversation. Provide at "
                          "least one message.")
-    messages = _template_messages(messages)
-    variables = {"tools": None, "documents": None, **_plain(variables)}
+    try:
+        messages = _template_messages(messages)
+        variables = {"tools": None, "documents": None, **_plain(variables)}
+    except RecursionError:
+        raise ValueError("the conversation (or a keyword for the template) nests too deeply, "
+                         "or holds itself") from None
     _check_documents(variables["documents"])
 
     def render(conversation: List[Dict[str, Any]]) -> str:
-        return _compiled(template).render(messages=conversation,
-                                          add_generation_prompt=add_generation_prompt,
-                                          **variables)
+        return _compiled(template).render(**{
+            **variables, "messages": conversation,
+            "add_generation_prompt": add_generation_prompt, "range": _RangeBudget()})
 
     if continue_final_message:
         return _open_final_message(render, messages, template)
@@ -385,48 +421,50 @@ def content_format(template: str, requested: str = "auto") -> str:
     """`requested`, or for "auto" the template's own, detected as vLLM detects it: "openai"
     where the template loops over the content of a message it loops over (`for message in
     messages` ... `for part in message['content']`, through {% set %} names, filters and
-    slices), else "string"."""
+    slices), else "string". One pass over the template's sets and loops, whatever its size."""
     if requested != "auto":
         return requested
     try:
         root = _environment().parse(template)
+        loops = list(root.find_all(jinja2.nodes.For))
         messages = _bound_names(root, "messages")
-        items = {loop.target.name for loop in _loops_over(root, messages, None)}
-        return "openai" if any(True for _ in _loops_over(root, items, "content")) else "string"
-    except (jinja2.TemplateSyntaxError, TypeError):
+        items = {_loop_name(loop) for loop in loops if _read_name(loop.iter, None) in messages}
+        contents = [loop for loop in loops if _read_name(loop.iter, "content") in items]
+        return "openai" if any(_loop_name(loop) for loop in contents) else "string"
+    except (jinja2.TemplateSyntaxError, TypeError, RecursionError):
         return "string"
 
 
-def _loops_over(root: jinja2.nodes.Node, names: set, key: Optional[str]):
-    """The loops over one of `names` (or over its `key`); a loop that unpacks what it takes
-    is one vLLM's detection does not follow (TypeError)."""
-    for loop in root.find_all(jinja2.nodes.For):
-        if any(_reads(loop.iter, name, key) for name in names):
-            if not isinstance(loop.target, jinja2.nodes.Name):
-                raise TypeError("a loop unpacks its items")
-            yield loop
+def _loop_name(loop: jinja2.nodes.For) -> str:
+    """A loop's variable; a loop that unpacks what it takes is one vLLM's detection does not
+    follow (TypeError)."""
+    if not isinstance(loop.target, jinja2.nodes.Name):
+        raise TypeError("a loop unpacks its items")
+    return loop.target.name
 
 
 def _bound_names(root: jinja2.nodes.Node, name: str) -> set:
     """`name` and every name {% set %} binds to it (or to its filtered or sliced value), and
     to those, and so on (vLLM's walk, which a cycle of names does not hold up here)."""
+    bound: Dict[str, List[jinja2.nodes.Node]] = {}
+    for assign in root.find_all(jinja2.nodes.Assign):
+        source = _read_name(assign.node, None)
+        if source is not None:
+            bound.setdefault(source, []).append(assign.target)
     found, pending = {name}, [name]
     while pending:
-        source = pending.pop()
-        for assign in root.find_all(jinja2.nodes.Assign):
-            if not _reads(assign.node, source, None):
-                continue
-            if not isinstance(assign.target, jinja2.nodes.Name):
+        for target in bound.get(pending.pop(), []):
+            if not isinstance(target, jinja2.nodes.Name):
                 raise TypeError("a {% set %} binds the messages to other than a name")
-            if assign.target.name not in found:
-                found.add(assign.target.name)
-                pending.append(assign.target.name)
+            if target.name not in found:
+                found.add(target.name)
+                pending.append(target.name)
     return found
 
 
-def _reads(node: jinja2.nodes.Node, name: str, key: Optional[str]) -> bool:
-    """Whether `node` is `name` (or its `key`, as an item or an attribute), under filters,
-    tests and slices."""
+def _read_name(node: jinja2.nodes.Node, key: Optional[str]) -> Optional[str]:
+    """The name `node` reads (or whose `key` it reads, as an item or an attribute), under
+    filters, tests and slices; None where it reads no name so."""
     while True:
         if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
             node = node.node
@@ -435,12 +473,13 @@ def _reads(node: jinja2.nodes.Node, name: str, key: Optional[str]) -> bool:
         else:
             break
     if key is not None:
-        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
-            return node.arg.value == key and _reads_name(node.node, name)
-        return isinstance(node, jinja2.nodes.Getattr) and node.attr == key \
-            and _reads_name(node.node, name)
-    return _reads_name(node, name)
-
-
-def _reads_name(node: jinja2.nodes.Node, name: str) -> bool:
-    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                and node.arg.value == key:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return None
+    if isinstance(node, jinja2.nodes.Name) and node.ctx == "load":
+        return node.name
+    return None

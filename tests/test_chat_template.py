@@ -252,3 +252,50 @@ def test_llm_chat_hands_tool_call_arguments_as_objects(llama_dir):
     (output,) = llm.chat(chat, SamplingParams(max_tokens=1), use_tqdm=False,
                          chat_template=template)
     assert output.prompt == '[Weather?]{"city": "Paris"}[]'
+
+
+@pytest.mark.parametrize("template, message", [
+    # Two nested ranges are 10**10 steps: a render thread busy for hours (8 held every
+    # chat request up); all of a render's ranges together give at most 2**20 items.
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "loops over ranges take more than"),
+    # Squaring a number 40 times: minutes, and memory without end.
+    ("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+     "{% endfor %}", "multiplies two numbers into too large a number"),
+    # Blocks nested past what Python compiles: an HTTP 500 before.
+    ("{% for a in [1] %}" * 30 + "{% endfor %}" * 30, "nests too deeply to compile"),
+])
+def test_runaway_templates_are_refused(tmp_path, llama_dir, template, message):
+    import jinja2
+
+    tokenizer = Tokenizer(str(folder_with(tmp_path, llama_dir, template)))
+    with pytest.raises(jinja2.TemplateError, match=message):
+        tokenizer.apply_chat_template(USER)
+
+
+def test_ordinary_loops_and_long_chains_of_names_still_render(tmp_path, llama_dir):
+    from fulcrum.chat_template import content_format
+
+    folder = folder_with(tmp_path, llama_dir, "{% for i in range(100000) %}{% endfor %}"
+                                              "{{ 7 * 6 }}")
+    assert Tokenizer(str(folder)).apply_chat_template(USER) == "42"
+    chain = "{% set a0 = messages %}" + "".join(f"{{% set a{i} = a{i - 1} %}}"
+                                                for i in range(1, 3000))
+    loop = "{% for m in a2999 %}{% for p in m.content %}{% endfor %}{% endfor %}"
+    assert content_format(chain + loop) == "openai"  # 38 s before (a walk per name)
+
+
+def test_inputs_that_nest_without_end_are_refused_clearly(tmp_path, llama_dir):
+    tokenizer = Tokenizer(str(folder_with(tmp_path, llama_dir, "{{ messages }}")))
+    itself = [1]
+    itself.append(itself)
+    with pytest.raises(ValueError, match="nests too deeply, or holds itself"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "x", "extra": itself}])
+
+
+def test_a_long_inline_template_is_no_files_name():
+    """--chat-template with a template longer than a file name may be (it raised OSError)."""
+    from fulcrum.chat_template import load_chat_template
+
+    template = "{% for m in messages %}" + "x" * 300 + "{{ m.content }}{% endfor %}"
+    assert load_chat_template(template) == template

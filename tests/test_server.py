@@ -557,8 +557,10 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
         recursive = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
         # Python's errors, not jinja's; values too large to build (minutes and gigabytes
         # before, on the event loop)
+        nested = "{% for a in [1] %}" * 30 + "{% endfor %}" * 30  # a 500 before
         for template in ("{{ 1 / 0 }}", "{{ messages[99] }}", recursive, "{{ [0] * 10**9 }}",
-                         "{{ 'ab' * 600000 }}", "{{ 7 ** 1000000 }}", "{{ 'a'.ljust(10**9) }}"):
+                         "{{ 'ab' * 600000 }}", "{{ 7 ** 1000000 }}", "{{ 'a'.ljust(10**9) }}",
+                         nested):
             broken = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                            "chat_template": template})
             assert broken.status_code == 400, broken.text
@@ -567,7 +569,8 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
         assert fine.status_code == 200 and fine.json()["usage"]["prompt_tokens"] == len(
             "---[1, 1]1024")
         # A slow template renders on a thread of its own: the server answers meanwhile.
-        slow = "{% for i in range(100000) %}{% for j in range(200) %}{% endfor %}{% endfor %}ok"
+        slow = ("{% set row = [0] * 200 %}{% for i in range(100000) %}{% for j in row %}"
+                "{% endfor %}{% endfor %}ok")  # loops over lists are not bounded
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, url, timeout=120, json={
                 "messages": CHAT, "max_tokens": 1, "chat_template": slow})

@@ -72,7 +72,8 @@ class APIError(Exception):
 
 
 def bad_request(error: Union[str, Exception]) -> APIError:
-    return APIError(400, str(error), param=getattr(error, "param", None))
+    """A 400 saying why; an error that says nothing (MemoryError()) by its kind."""
+    return APIError(400, str(error) or type(error).__name__, param=getattr(error, "param", None))
 
 
 MAX_REQUEST_ID_CHARS = 256
