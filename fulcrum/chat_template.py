@@ -210,11 +210,11 @@ def load_chat_template(value: str) -> str:
 def find_chat_templates(folder: Path, config: Dict[str, Any]) -> Templates:
     """A model folder's templates, where transformers looks: chat_template.jinja ("default")
     and additional_chat_templates/*.jinja (by name) over tokenizer_config.json's."""
-    named = {path.stem: path.read_text()
+    named = {path.stem: _read_template(path)
              for path in sorted((folder / "additional_chat_templates").glob("*.jinja"))}
     main = folder / "chat_template.jinja"
     if main.is_file():
-        named["default"] = main.read_text()
+        named["default"] = _read_template(main)
     if named:
         return named["default"] if list(named) == ["default"] else named
     template = config.get("chat_template")
@@ -227,6 +227,13 @@ def find_chat_templates(folder: Path, config: Dict[str, Any]) -> Templates:
                          "template or a list of {\"name\": ..., \"template\": ...}, got "
                          f"{json.dumps(template)[:80]}")
     return template
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a readable chat template: {error}") from None
 
 
 def pick_template(templates: Templates, chat_template: Optional[str], tools: Any) -> str:

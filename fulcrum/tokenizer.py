@@ -79,7 +79,11 @@ class Tokenizer:
         for source in ("generation_config.json", "config.json"):
             value = _read_json(folder / source).get("eos_token_id")
             if value is not None:
-                ids.update(value if isinstance(value, list) else [value])
+                found = value if isinstance(value, list) else [value]
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in found):
+                    raise ValueError(f"{folder / source}: eos_token_id must be a token id or "
+                                     f"a list of them, got {value!r}"[:200])
+                ids.update(found)
                 break
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             ids.add(self._tok.token_to_id(self.eos_token))

@@ -466,6 +466,9 @@ def test_weight_shape_mismatch(llama_dir, tmp_path):
     ("tokenizer_config.json", b"{\"chat_template\": 7}",
      r"tokenizer_config\.json: chat_template must be a template or a list"),
     ("generation_config.json", b"nope", r"generation_config\.json is not valid JSON"),
+    ("generation_config.json", b"{\"eos_token_id\": \"x\"}",
+     r"generation_config\.json: eos_token_id must be a token id"),
+    ("chat_template.jinja", b"\xff\xfe{{ x }}", r"chat_template\.jinja is not a readable chat"),
     ("model.safetensors", b"\x10\x00\x00", r"model\.safetensors is not a readable safetensors"),
 ])
 def test_a_broken_file_in_the_model_folder_is_named(llama_dir, tmp_path, file, content, message):
