@@ -53,11 +53,11 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*" and isinstance(left, int) and isinstance(right, int) \
-                and abs(left).bit_length() + abs(right).bit_length() > MAX_TEMPLATE_POWER_BITS:
-            raise jinja2.exceptions.TemplateError(
-                "the chat template multiplies two numbers into too large a number")
         if operator == "*":
+            if isinstance(left, int) and isinstance(right, int) \
+                    and abs(left).bit_length() + abs(right).bit_length() > MAX_TEMPLATE_POWER_BITS:
+                raise jinja2.exceptions.TemplateError(
+                    "the chat template multiplies two numbers into too large a number")
             for count, items in ((left, right), (right, left)):
                 if isinstance(count, int) and hasattr(items, "__len__") \
                         and count * len(items) > MAX_TEMPLATE_REPEAT:
@@ -394,6 +394,15 @@ def message_content(content: Union[None, str, List[Dict[str, Any]]], content_for
     if content_format == "openai":
         return [{"type": "text", "text": text} for text in texts if text is not None]
     return "\n".join(text for text in texts if text)
+
+
+def template_message(message: Dict[str, Any], content_format: str) -> Dict[str, Any]:
+    """A chat message as vLLM hands it to templates (the server's and LLM.chat's alike): its
+    content in the template's format, its tool calls' arguments as objects."""
+    message = {**message, "content": message_content(message.get("content"), content_format)}
+    if "tool_calls" in message:
+        message["tool_calls"] = template_tool_calls(message["tool_calls"])
+    return message
 
 
 def template_tool_calls(tool_calls: Any) -> Any:

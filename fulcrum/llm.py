@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from fulcrum.chat_template import (CHAT_ROLES, check_content_format, content_format,
-                                   message_content, template_tool_calls)
+                                   template_message)
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
@@ -78,8 +78,10 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         targets = {k: v for k, v in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms))
                    if v is not None}
-        params_list = [dataclasses.replace(p, output_kind=self._kind, **targets)
-                       for p in params_list]
+        # Once per distinct SamplingParams (one given for all prompts is one object).
+        replaced = {id(p): dataclasses.replace(p, output_kind=self._kind, **targets)
+                    for p in params_list}
+        params_list = [replaced[id(p)] for p in params_list]
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         with self._lock:
@@ -206,10 +208,7 @@ def _template_message(message: Dict[str, Any], form: str) -> Dict[str, Any]:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"fulcrum's models are text-only: a content part of type "
                              f"{kind!r} cannot be read")
-    message = {**message, "content": message_content(content, form)}
-    if "tool_calls" in message:
-        message["tool_calls"] = template_tool_calls(message["tool_calls"])
-    return message
+    return template_message(message, form)
 
 
 def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:

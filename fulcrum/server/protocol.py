@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.chat_template import CHAT_ROLES, message_content, template_tool_calls
+from fulcrum.chat_template import CHAT_ROLES, template_message
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.tokenizer import lone_surrogate
 
@@ -339,21 +339,20 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
-        message: Dict[str, Any] = {"role": self.role,
-                                   "content": message_content(content, content_format)}
+        message: Dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = template_tool_calls([
+            message["tool_calls"] = [
                 {"id": c.id, "type": c.type, "function": {
                     "name": c.function.name, "arguments": c.function.arguments}}
-                for c in self.tool_calls])
+                for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         for name in ("reasoning_content", "reasoning"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
-        return message
+        return template_message(message, content_format)
 
 
 class ChatCompletionRequest(SamplingRequest):

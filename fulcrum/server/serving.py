@@ -151,9 +151,7 @@ class _Choice:
         self.text_offsets.extend(offsets)
         delta.text_offsets = offsets
         if echoing and self.prefix:
-            delta.prompt_token_ids = self.prompt_token_ids
-            delta.prompt_logprobs = self.prompt_logprobs or []
-            delta.text_offsets = self.prompt_offsets + offsets
+            self._echo_into(delta)
         if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             delta.new_prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         self.text += text
@@ -168,10 +166,14 @@ class _Choice:
         delta = _Delta(self.text, self.token_ids, self.logprobs, self.text_offsets,
                        new_prompt_logprobs=self.prompt_logprobs)
         if self.prefix:
-            delta.prompt_token_ids = self.prompt_token_ids
-            delta.prompt_logprobs = self.prompt_logprobs or []
-            delta.text_offsets = self.prompt_offsets + self.text_offsets
+            self._echo_into(delta)
         return delta
+
+    def _echo_into(self, delta: _Delta) -> None:
+        """The delta that carries the echoed prompt carries its tokens, logprobs, offsets."""
+        delta.prompt_token_ids = self.prompt_token_ids
+        delta.prompt_logprobs = self.prompt_logprobs or []
+        delta.text_offsets = self.prompt_offsets + delta.text_offsets
 
 
 class _Generation:
@@ -219,11 +221,8 @@ class _Generation:
                 pass
 
     def usage(self) -> UsageInfo:
-        completion = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion,
-                         prompt_tokens_details=PromptTokensDetails(
-                             cached_tokens=sum(c or 0 for c in self.cached_tokens)))
+        return _usage_info(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
+                           sum(c or 0 for c in self.cached_tokens))
 
     def choice_usage(self, choice: _Choice) -> UsageInfo:
         """continuous_usage_stats on a chunk of one choice: its prompt and its tokens so far
@@ -231,12 +230,16 @@ class _Generation:
         the prompt's first output (a chat stream's first chunks) its cached tokens are not
         known yet and go unsaid."""
         prompt_index = choice.index // self.n
-        prompt, completion = len(self.prompt_ids[prompt_index]), len(choice.token_ids)
-        cached = self.cached_tokens[prompt_index]
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion,
-                         prompt_tokens_details=None if cached is None else
-                         PromptTokensDetails(cached_tokens=cached))
+        return _usage_info(len(self.prompt_ids[prompt_index]), len(choice.token_ids),
+                           self.cached_tokens[prompt_index])
+
+
+def _usage_info(prompt: int, completion: int, cached: Optional[int]) -> UsageInfo:
+    """OpenAI's usage; the cached prompt tokens where known."""
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=None if cached is None else
+                     PromptTokensDetails(cached_tokens=cached))
 
 
 def _json_logprob(value: float) -> float:
