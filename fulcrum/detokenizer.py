@@ -31,7 +31,7 @@ MAX_PARTIAL_TOKENS = 3
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
-                 prompt_token_ids: Sequence[int] = ()) -> None:
+                 prompt_token_ids: Sequence[int] = (), record_offsets: bool = False) -> None:
         self.tokenizer = tokenizer
         self.params = params
         self.tokens, self.read_offset = self._context(list(prompt_token_ids))
@@ -44,6 +44,11 @@ class IncrementalDetokenizer:
         self._unread_prompt = [self._decode(self.tokens[:end])
                                for end in range(len(self.tokens), self.read_offset, -1)]
         self.output_text = ""
+        # Where asked (OpenAI's logprobs `text_offset`): where each token's text starts in
+        # output_text, counted as the text grows. A token's own decode is no measure (a
+        # SentencePiece token decoded alone loses its leading space, a byte of a multi-byte
+        # character decodes to U+FFFD), and the bytes of one character all start where it does.
+        self.text_offsets: Optional[List[int]] = [] if record_offsets else None
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
 
@@ -57,7 +62,11 @@ class IncrementalDetokenizer:
         searched_from = len(self.output_text)
         for token_id in new_token_ids:
             self.tokens.append(token_id)
-            self.output_text += self._decode_newest()
+            start = len(self.output_text)
+            text, own_start = self._decode_newest()
+            self.output_text += text
+            if self.text_offsets is not None:
+                self.text_offsets.append(start + own_start)
         if not self.stop_strings or not check_stop:
             return None
         return self._find_stop(max(0, searched_from - self.hold_back))
@@ -78,17 +87,32 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, self.params.skip_special_tokens)
 
-    def _decode_newest(self) -> str:
+    def skip(self) -> None:
+        """A token whose text the output leaves out (a stop token): it starts where the
+        text ends."""
+        if self.text_offsets is not None:
+            self.text_offsets.append(len(self.output_text))
+
+    def _decode_newest(self) -> Tuple[str, int]:
+        """The text the newest token completes, and where the newest token's own text
+        starts in it: after the tokens still unread before it where their text stays as it
+        was (bytes that are no character keep their U+FFFD), else with them (the bytes of
+        the character it completes)."""
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
+            return "", 0
         if self._unread_prompt:
             before = next((text for text in self._unread_prompt
                            if len(text) > len(before) and after.startswith(text)), before)
             self._unread_prompt = []
+        own_start = 0
+        if self.text_offsets is not None and len(self.tokens) - self.read_offset > 1:
+            unread = self._decode(self.tokens[self.prefix_offset:-1])
+            if after.startswith(unread):
+                own_start = max(0, len(unread) - len(before))
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return after[len(before):]
+        return after[len(before):], own_start
 
     def _find_stop(self, start: int) -> Optional[str]:
         best = None
@@ -110,22 +134,9 @@ class IncrementalDetokenizer:
         return self.output_text[:max(0, len(self.output_text) - self.hold_back)]
 
 
-class TextOffsets:
-    """Where each token's text starts (OpenAI's logprobs `text_offset`), counted as the
-    detokenizer grows a request's text, from `start`: a token's own decode is no measure
-    (a SentencePiece token decoded alone loses its leading space; a byte of a multi-byte
-    character decodes to U+FFFD), so each offset is the length of the text before it, and
-    the bytes of one character all start where the character does."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool,
-                 context_ids: Sequence[int] = (), start: int = 0) -> None:
-        self._detokenizer = IncrementalDetokenizer(
-            tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens), context_ids)
-        self._start = start
-
-    def add(self, token_ids: Sequence[int]) -> List[int]:
-        offsets = []
-        for token_id in token_ids:
-            offsets.append(self._start + len(self._detokenizer.output_text))
-            self._detokenizer.update([token_id], check_stop=False)
-        return offsets
+def prompt_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int]) -> List[int]:
+    """Where each token starts in the text of `token_ids` (an echoed prompt, special tokens
+    skipped), counted as the detokenizer grows it."""
+    detokenizer = IncrementalDetokenizer(tokenizer, SamplingParams(), record_offsets=True)
+    detokenizer.update(list(token_ids), check_stop=False)
+    return detokenizer.text_offsets

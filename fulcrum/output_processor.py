@@ -70,10 +70,11 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, first.prompt_token_ids, params.output_kind)
         for index, request in enumerate(children):
             wants_logprobs = request.sampling_params.logprobs is not None
+            # Logprobs come with where each token's text starts (the completions API's).
             parent.children.append(_Child(
                 index, request,
                 IncrementalDetokenizer(self.tokenizer, request.sampling_params,
-                                       request.prompt_token_ids),
+                                       request.prompt_token_ids, record_offsets=wants_logprobs),
                 [] if wants_logprobs else None, 0.0 if wants_logprobs else None))
             self._children[request.request_id] = (parent, index)
         self._parents[request_id] = parent
@@ -110,13 +111,13 @@ class OutputProcessor:
         """Detokenise one new token; True if a stop string has just ended the child."""
         self._record_logprobs(child, token)
         request = child.request
-        new_ids = [token.token_id]
         if (request.status is RequestStatus.FINISHED_STOPPED
                 and not request.sampling_params.include_stop_str_in_output):
-            new_ids = []  # the stop token itself is not part of the text
+            child.detokenizer.skip()  # the stop token itself is not part of the text
+            return False
         # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
         stop = child.detokenizer.update(
-            new_ids, request.num_output_tokens > request.sampling_params.min_tokens)
+            [token.token_id], request.num_output_tokens > request.sampling_params.min_tokens)
         if stop is None:
             return False
         if request.status is RequestStatus.FINISHED_LENGTH:
@@ -208,12 +209,13 @@ class OutputProcessor:
         request = child.request
         text = child.detokenizer.visible_text(request.is_finished)
         token_ids = request.output_token_ids
-        logprobs = child.logprobs
+        logprobs, offsets = child.logprobs, child.detokenizer.text_offsets
         if delta:
             text, child.sent_text = text[child.sent_text:], len(text)
             start, child.sent_tokens = child.sent_tokens, len(token_ids)
             token_ids = token_ids[start:]
             logprobs = logprobs[start:] if logprobs is not None else None
+            offsets = offsets[start:] if offsets is not None else None
         finish_reason = request.status.finish_reason
         stop_reason = request.stop_reason if request.is_finished else None
         if child.stopped_at_length is not None:
@@ -221,4 +223,5 @@ class OutputProcessor:
         return CompletionOutput(
             index=child.index, text=text, token_ids=list(token_ids),
             cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
+            text_offsets=list(offsets) if offsets is not None else None,
             finish_reason=finish_reason, stop_reason=stop_reason, metrics=request.metrics)

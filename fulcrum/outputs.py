@@ -40,6 +40,8 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+    # With logprobs: where each token's text starts in the text (OpenAI's `text_offset`).
+    text_offsets: Optional[List[int]] = field(default=None, repr=False)
     # This completion's own timestamps (RequestOutput.metrics are the first completion's):
     # the metrics count each completion, as vLLM does.
     metrics: Optional[RequestMetrics] = field(default=None, repr=False, compare=False)

@@ -245,3 +245,38 @@ def test_bytes_at_the_prompt_end_that_no_output_completes_stay_the_prompts(byte_
         for token_id in [continuation] + output:
             detok.update([token_id])
         assert detok.output_text == "éxy", prompt
+
+
+def offsets_of(tokenizer: Tokenizer, ids: List[int], chunk: int = 1, **params) -> List[int]:
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(**params), record_offsets=True)
+    for i in range(0, len(ids), chunk):
+        detok.update(ids[i:i + chunk])
+    return detok.text_offsets
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_text_offsets_are_where_each_tokens_text_starts(tok, text, chunk):
+    """OpenAI's text_offset: token i starts where the text of the tokens before it ends; the
+    byte tokens of one character all start where it does."""
+    ids = encode(tok, text)
+    expected, start = [], 0
+    for i in range(len(ids)):
+        before = tok.decode(ids[:i])
+        if not before.endswith("\ufffd"):
+            start = len(before)
+        expected.append(start)
+    assert offsets_of(tok, ids, chunk) == expected
+
+
+def test_a_token_after_a_byte_that_is_no_character_starts_after_its_u_fffd(byte_tok):
+    lead, continuation = encode(byte_tok, "é")
+    ids = encode(byte_tok, "a") + [lead, continuation, continuation] + encode(byte_tok, "xy")
+    assert byte_tok.decode(ids) == "aé\ufffdxy"
+    assert offsets_of(byte_tok, ids) == [0, 1, 1, 2, 3, 4]
+
+
+def test_special_tokens_take_no_width_where_skipped(byte_tok):
+    ids = encode(byte_tok, "hi") + [257] + encode(byte_tok, "yo")
+    assert offsets_of(byte_tok, ids) == [0, 1, 2, 2, 3]
+    assert offsets_of(byte_tok, ids, skip_special_tokens=False) == [0, 1, 2, 14, 15]

@@ -151,6 +151,12 @@ def test_stop_token_ids(llm):
     # As in vLLM, the stop token is in token_ids but not in the text.
     tokenizer = llm.get_tokenizer()
     assert completion.text == tokenizer.decode(reference[:k])
+    assert completion.text_offsets is None  # kept with logprobs only
+    (logged,) = llm.generate(prompt, greedy(16, stop_token_ids=[stop_id], logprobs=0),
+                             use_tqdm=False)
+    offsets = logged.outputs[0].text_offsets
+    assert len(offsets) == k + 1 and offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[k] == len(completion.text)  # the stop token starts where the text ends
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.chat_template import check_content_format, content_format
-from fulcrum.detokenizer import TextOffsets
+from fulcrum.detokenizer import prompt_text_offsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.outputs import Logprob
@@ -139,17 +139,16 @@ class _Choice:
     logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
-    tracker: Optional[TextOffsets] = None  # where given, text_offsets are kept
     prompt_offsets: List[int] = field(default_factory=list)  # the echoed prompt's tokens'
     text_offsets: List[int] = field(default_factory=list)
 
     def add(self, completion: CompletionOutput) -> _Delta:
         echoing = not self.text
         text = (self.prefix if echoing else "") + completion.text
-        delta = _Delta(text, list(completion.token_ids), list(completion.logprobs or []))
-        offsets = self.tracker.add(delta.token_ids) if self.tracker else []
+        offsets = [len(self.prefix) + offset for offset in completion.text_offsets or ()]
+        delta = _Delta(text, list(completion.token_ids), list(completion.logprobs or []),
+                       offsets)
         self.text_offsets.extend(offsets)
-        delta.text_offsets = offsets
         if echoing and self.prefix:
             self._echo_into(delta)
         if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
@@ -178,32 +177,27 @@ class _Choice:
 
 class _Generation:
     """The choices of one API request, fed with the engine outputs of its prompts. Given a
-    `tokenizer` (for the completions API's logprobs), the choices keep where each token's
-    text starts, its text decoded as the request's `skip_special_tokens` says."""
+    `tokenizer` (for the completions API's logprobs), an echoed prompt's tokens get their
+    text offsets too."""
 
     def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
-                 tokenizer: Optional[Tokenizer] = None,
-                 skip_special_tokens: bool = True) -> None:
+                 tokenizer: Optional[Tokenizer] = None) -> None:
         self.n = n
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
         self.choices = [choice for index, prompt in enumerate(prompts)
-                        for choice in self._choices(index, prompt, echo, tokenizer,
-                                                    skip_special_tokens)]
+                        for choice in self._choices(index, prompt, echo, tokenizer)]
         self.prompt_ids = [ids for _, ids in prompts]
         # Prompt tokens found in the prefix cache; None until the prompt's first output.
         self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
 
     def _choices(self, index: int, prompt: EnginePrompt, echo: bool,
-                 tokenizer: Optional[Tokenizer], skip_special_tokens: bool) -> List[_Choice]:
+                 tokenizer: Optional[Tokenizer]) -> List[_Choice]:
         text, ids = prompt
         prefix = text if echo and text else ""
         echoed = ids if echo else []
-        if tokenizer is None:
-            return [_Choice(index * self.n + j, prefix, echoed) for j in range(self.n)]
         # An echoed prompt is the prompt's text, without the special tokens added to it.
-        prompt_offsets = TextOffsets(tokenizer, True).add(ids) if prefix else []
-        return [_Choice(index * self.n + j, prefix, echoed, prompt_offsets=prompt_offsets,
-                        tracker=TextOffsets(tokenizer, skip_special_tokens, ids, len(prefix)))
+        offsets = prompt_text_offsets(tokenizer, ids) if prefix and tokenizer else []
+        return [_Choice(index * self.n + j, prefix, echoed, prompt_offsets=offsets)
                 for j in range(self.n)]
 
     def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
@@ -452,8 +446,7 @@ class OpenAIServing:
         prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
         self._check(prompts, params, request)
         generation = _Generation(prompts, request.n, request.echo,
-                                 None if request.logprobs is None else self.llm.tokenizer,
-                                 params.skip_special_tokens)
+                                 None if request.logprobs is None else self.llm.tokenizer)
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
