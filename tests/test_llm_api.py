@@ -157,6 +157,12 @@ def test_stop_token_ids(llm):
     offsets = logged.outputs[0].text_offsets
     assert len(offsets) == k + 1 and offsets[0] == 0 and offsets == sorted(offsets)
     assert offsets[k] == len(completion.text)  # the stop token starts where the text ends
+    # A stop string in text min_tokens held back from the search is not looked for again
+    # when the stop token adds no text (vLLM's: no new text, no stop string).
+    held = greedy(16, stop_token_ids=[stop_id], min_tokens=k,
+                  stop=[completion.text[-2:], "longer than the text's tail"])
+    (late,) = llm.generate(prompt, held, use_tqdm=False)
+    assert (late.outputs[0].text, late.outputs[0].stop_reason) == (completion.text, stop_id)
 
 
 @pytest.fixture(scope="module")
