@@ -31,6 +31,27 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+# What a template's own code may raise while it renders ({{ 1/0 }}, raise_exception(...),
+# an undefined name's attribute): the request's (or caller's) fault, not the server's.
+TEMPLATE_ERRORS = (ArithmeticError, LookupError, RecursionError, MemoryError,
+                   jinja2.TemplateError)
+# Names a render sets itself, which chat_template_kwargs may not.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt",
+                                     "continue_final_message", "chat_template"})
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """chat_template_kwargs: a dict of keyword names to values, none of them a render's own."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise TypeError("chat_template_kwargs must be a dict of keyword names to values")
+    reserved = RESERVED_TEMPLATE_NAMES & set(kwargs)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: "
+                         "they are set by the request itself")
+
+
 # Where a message's reasoning may be (transformers'): templates read reasoning_content.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -331,7 +352,8 @@ def _template_messages(messages: List[Any]) -> List[Dict[str, Any]]:
 
 
 def _check_documents(documents: Any) -> None:
-    if documents is not None and not all(isinstance(d, dict) for d in documents):
+    if documents is not None and (not isinstance(documents, (list, tuple))
+                                  or not all(isinstance(d, dict) for d in documents)):
         raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
 
 

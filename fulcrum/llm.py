@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import threading
 import time
@@ -9,8 +10,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from fulcrum.chat_template import (CHAT_ROLES, check_content_format, content_format,
-                                   template_message)
+from fulcrum.chat_messages import template_conversation, template_tools
+from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_template_kwargs,
+                                   content_format)
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
@@ -45,6 +47,7 @@ class LLM:
         # One call drives the engine at a time: two threads stepping it at once took each
         # other's outputs and neither call returned. A second call waits for the first.
         self._lock = threading.Lock()
+        self._driver: Optional[int] = None  # the thread whose call holds the lock
 
     def get_metrics(self) -> List[Metric]:
         """The engine's metrics now, as the server's /metrics has them (vLLM's
@@ -82,29 +85,47 @@ class LLM:
         replaced = {id(p): dataclasses.replace(p, output_kind=self._kind, **targets)
                     for p in params_list}
         params_list = [replaced[id(p)] for p in params_list]
+        if priority is not None and (not isinstance(priority, collections.abc.Sequence)
+                                     or isinstance(priority, str)):
+            raise TypeError("priority must be a list of integers, one per prompt, got "
+                            f"{type(priority).__name__}")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        if self._driver == threading.get_ident():
+            raise RuntimeError("LLM.generate (or chat) was called from inside another of its "
+                               "calls on this LLM (from a prompt's iterator, say): it would wait "
+                               "for itself forever")
         with self._lock:
-            return self._generate(prompt_list, params_list, priority, use_tqdm)
+            self._driver = threading.get_ident()
+            try:
+                return self._generate(prompt_list, params_list, priority, use_tqdm)
+            finally:
+                self._driver = None
 
     def _generate(self, prompt_list: List[PromptType], params_list: List[SamplingParams],
                   priority: Optional[Sequence[int]], use_tqdm: bool) -> List[RequestOutput]:
         engine = self.llm_engine
-        max_tokens = []
+        prepared, max_tokens = [], []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            token_ids = engine.prepare_prompt(prompt, params)[1]
+            text, token_ids = engine.prepare_prompt(prompt, params)
             max_tokens.append(engine.validate_params(params, len(token_ids)))
             engine.validate_priority(priority[i] if priority is not None else 0)
-            engine.cache_salt(prompt)
-        ids = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            engine.add_request(request_id, prompt, params,
-                               priority=priority[i] if priority is not None else 0)
-            ids.append(request_id)
-            if self._metrics is not None:
-                self._metrics.record_params(params, max_tokens[i])
+            # Read once: a prompt given as an iterator would be empty the second time.
+            prepared.append({"prompt": text, "prompt_token_ids": token_ids,
+                             "cache_salt": engine.cache_salt(prompt)})
+        ids: List[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prepared, params_list)):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                engine.add_request(request_id, prompt, params,
+                                   priority=priority[i] if priority is not None else 0)
+                ids.append(request_id)
+                if self._metrics is not None:
+                    self._metrics.record_params(params, max_tokens[i])
+        except BaseException:  # none of this call's prompts is left queued without a caller
+            engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
@@ -123,22 +144,24 @@ class LLM:
         (vLLM's): how the template reads message content, "string" (text parts joined),
         "openai" (a list of parts) or "auto" (as its loops show)."""
         check_content_format(chat_template_content_format)
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not conversations:
-            raise ValueError("LLM.chat needs a conversation (a list of messages), got none")
-        _check_tools(tools)
+        _check_chat_options(chat_template, chat_template_kwargs, add_generation_prompt,
+                            continue_final_message)
+        conversations = _as_conversations(messages)
+        tools = template_tools(tools)
         tokenizer = self.get_tokenizer()
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         params_list = self._params_per_prompt(sampling_params, len(conversations))
         prompts = []
-        template = tokenizer.template_for(chat_template, tools or None)
+        template = tokenizer.template_for(chat_template, tools)
         form = content_format(template, chat_template_content_format)
         for conversation, params in zip(conversations, params_list):
-            conversation = [_template_message(m, form) for m in conversation]
-            if not conversation:
-                raise ValueError("a conversation needs at least one message")
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 template, continue_final_message, **kwargs)
+            conversation = template_conversation(conversation, form)
+            try:
+                text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                                     template, continue_final_message, **kwargs)
+            except TEMPLATE_ERRORS as error:  # the template's own ({{ 1/0 }}, raise_exception)
+                raise ValueError(f"the chat template failed: {error or type(error).__name__}"
+                                 ) from None
             # The engine's encode: a text no max_model_len could hold is refused untokenized
             # (unless only its end is kept).
             prompts.append({"prompt": text, "prompt_token_ids": self.llm_engine.encode(
@@ -153,6 +176,9 @@ class LLM:
         if isinstance(sampling_params, dict):  # list() would take its keys for params
             raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
                             "a dict (SamplingParams(**it) makes one)")
+        if not isinstance(sampling_params, collections.abc.Iterable):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
@@ -191,35 +217,29 @@ class LLM:
         self._metrics.record(StepReport(outputs, None, preempted, now), cumulative=True)
 
 
-def _template_message(message: Dict[str, Any], form: str) -> Dict[str, Any]:
-    """A message as the chat template sees it, its content (text or text parts) in the
-    template's format `form`, as the server and vLLM give it."""
-    if not isinstance(message, dict):
-        raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
-    if message.get("role") not in CHAT_ROLES:
-        raise ValueError(f"a chat message's role must be one of {', '.join(CHAT_ROLES)} (as "
-                         f"on the server), got {message.get('role')!r}")
-    content = message.get("content")
-    if content is not None and not isinstance(content, (str, list)):
-        raise ValueError(f"a chat message's content must be text or a list of text parts, "
-                         f"got {type(content).__name__}")
-    for part in content if isinstance(content, list) else []:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"fulcrum's models are text-only: a content part of type "
-                             f"{kind!r} cannot be read")
-    return template_message(message, form)
+def _as_conversations(messages: Any) -> List[Sequence[Any]]:
+    """One conversation (a list of message dicts) or a list of them, as a list of them."""
+    if isinstance(messages, (str, dict)) or not isinstance(messages, collections.abc.Iterable):
+        raise TypeError("messages must be a conversation (a list of message dicts) or a list "
+                        f"of conversations, got {type(messages).__name__}")
+    messages = list(messages)
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    if not conversations or not all(isinstance(c, (list, tuple)) and c for c in conversations):
+        raise ValueError("LLM.chat needs conversations of at least one message (each a list "
+                         "of message dicts)")
+    return conversations
 
 
-def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
-    """Tools in OpenAI's form, as the server takes them: {"type": "function", "function":
-    {"name": ..., ...}}; the chat template would render anything else as it came."""
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError('a tool must be {"type": "function", "function": {"name": ..., '
-                             f'"parameters": ...}}}} (OpenAI\'s form), got {str(tool)[:80]}')
+def _check_chat_options(chat_template: Any, template_kwargs: Any, add_generation_prompt: Any,
+                        continue_final_message: Any) -> None:
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError("chat_template must be a template's text or the name of one of the "
+                        f"model's, got {type(chat_template).__name__}")
+    check_template_kwargs(template_kwargs)
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _as_prompt_list(prompts) -> List[PromptType]:
@@ -230,6 +250,6 @@ def _as_prompt_list(prompts) -> List[PromptType]:
         raise TypeError("prompts must be a string, a list of token ids, a dict or a list of "
                         f"those, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(is_token_id(t) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
+    if any(is_token_id(t) for t in prompts):
+        return [prompts]  # a single prompt given as token ids (each then checked as one)
     return prompts

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from fulcrum.tokenizer import lone_surrogate_at
+
 _GREEDY_EPS = 1e-5
 # vLLM's seed range: a signed 64-bit integer (torch.iinfo(torch.long)).
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -33,6 +35,15 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_unicode(name: str, value: Any) -> None:
+    """Refuse a parameter holding a string that is no Unicode text (a lone surrogate): it
+    would fail later, where it is tokenized or encoded, naming nothing."""
+    where = lone_surrogate_at(value)
+    if where is not None:
+        raise ParamError(name, f"{'.'.join(filter(None, (name, where)))} is not valid Unicode: "
+                               "it holds a lone surrogate")
 
 
 def is_int(value: object) -> bool:
@@ -119,6 +130,10 @@ class StructuredOutputsParams:
         if self.choice is not None and len(self.choice) > MAX_ALTERNATIVES:
             raise ValueError(f"choice has {len(self.choice)} strings, more than the "
                              f"{MAX_ALTERNATIVES} allowed")
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_unicode(self.kind, getattr(self, self.kind))
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the {self.kind} constraint is longer than {MAX_GRAMMAR_CHARS} "
                              "characters")
@@ -203,6 +218,9 @@ class SamplingParams:
                 fail(name, "must be a finite number")
         if not is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be True or False")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind")
         if self.temperature < 0.0:
@@ -244,6 +262,7 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise ParamError(
                 "stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        check_unicode("stop", self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ParamError("stop_token_ids", f"stop_token_ids has {len(self.stop_token_ids)} "
                              f"ids, more than the {MAX_STOP_TOKEN_IDS} allowed")
@@ -283,6 +302,7 @@ class SamplingParams:
             if any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
                 raise ParamError("bad_words", f"bad_words must be at most {MAX_STOP_STRING_CHARS} "
                                  "characters each")
+            check_unicode("bad_words", self.bad_words)
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or self.prompt_logprobs < 0):
             raise ParamError(

@@ -4,7 +4,7 @@ tokens, and its chat templates (rendered by fulcrum.chat_template)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -26,6 +26,26 @@ def lone_surrogate(text: str) -> Optional[int]:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         return error.start
+    return None
+
+
+def lone_surrogate_at(value: Any) -> Optional[str]:
+    """Where in parsed JSON (a request's body, a parameter's value) a string holds a lone
+    UTF-16 surrogate (a \\ud800 escape without its pair), as "field.0.key" ("" for `value`
+    itself); None if nowhere. No text holds one: tokenizers and UTF-8 encoders raise on it
+    deep inside a request's handling."""
+    pending: List[Tuple[Any, Tuple[Any, ...]]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if lone_surrogate(item) is not None:
+                return ".".join(map(str, path))
+        elif isinstance(item, dict):
+            pending.extend((key, path) for key in item)
+            pending.extend((child, (*path, key)) for key, child in item.items())
+        elif isinstance(item, list):
+            pending.extend((child, (*path, i)) for i, child in enumerate(item)
+                           if isinstance(child, (str, dict, list)))
     return None
 
 

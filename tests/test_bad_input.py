@@ -13,6 +13,7 @@ import torch
 
 from conftest import VOCAB
 from fulcrum import LLM, SamplingParams
+from fulcrum.sampling_params import StructuredOutputsParams
 from fulcrum.config import EngineConfig
 from fulcrum.models import SUPPORTED_ARCHITECTURES
 
@@ -81,10 +82,8 @@ def test_bad_prompt_raises_and_queues_nothing(llm, name):
 
 def test_text_with_a_lone_surrogate_is_refused_by_name(llm):
     # Python strings may hold one ("\ud800" without its pair); no Unicode text does.
-    for prompt, params in (("a\ud800b", SamplingParams(max_tokens=1)),
-                           ("ab", SamplingParams(max_tokens=1, bad_words=["x\udc00"]))):
-        with pytest.raises(ValueError, match="lone UTF-16 surrogate at character 1"):
-            llm.generate(prompt, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate at character 1"):
+        llm.generate("a\ud800b", SamplingParams(max_tokens=1), use_tqdm=False)
     blocks = llm.llm_engine.block_manager
     assert not llm.llm_engine.has_unfinished_requests()
     assert blocks.num_free_blocks == blocks.num_blocks - 1
@@ -150,6 +149,13 @@ BAD_PARAMS = [
     (dict(max_tokens=2.0), "max_tokens must be an integer >= 1, got 2.0"),
     (dict(output_kind=5), "output_kind must be a RequestOutputKind, got 5"),
     (dict(stop_token_ids=list(range(1025))), "stop_token_ids has 1025 ids"),
+    # Strings that are no Unicode text failed later, where they were tokenized, naming nothing.
+    (dict(stop=["ok", "x\ud800"]), "stop.1 is not valid Unicode"),
+    (dict(bad_words=["x\udc00"]), "bad_words.0 is not valid Unicode"),
+    # Switches read by truthiness took "no" for yes; None crashed inside the tokenizer.
+    (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+    (dict(skip_special_tokens=None), "skip_special_tokens must be True or False, got None"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False"),
 ]
 
 
@@ -262,6 +268,75 @@ def test_sampling_params_of_the_wrong_shape_are_named(llm):
         with pytest.raises((TypeError, ValueError), match=message):
             llm.generate(["a"], given, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(regex="a\ud800"), "regex is not valid Unicode"),
+    (dict(choice=["x", "\udc00"]), "choice.1 is not valid Unicode"),
+    (dict(json={"enum": ["\ud800"]}), "json.enum.0 is not valid Unicode"),
+    (dict(json_object="no"), "json_object must be true or false, got 'no'"),
+    (dict(regex="a", disable_any_whitespace=1), "disable_any_whitespace must be true or false"),
+])
+def test_bad_structured_outputs_params_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_generate_names_a_bad_priority_and_a_bad_token_id(llm):
+    for call, message in [(lambda: llm.generate(["a"], priority=0), "priority must be a list"),
+                          (lambda: llm.generate(["a"], 5), "sampling_params must be a "
+                                                           "SamplingParams or a list of them, "
+                                                           "got int"),
+                          (lambda: llm.generate([1, 2.0]), "token ids must be integers, got "
+                                                           "float 2.0"),
+                          (lambda: llm.generate([True, 1]), "got bool True")]:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_failure_while_queueing_a_batch_leaves_none_of_it_queued(llm, monkeypatch):
+    """Prompts queued before the one that failed were left in the engine with no caller: the
+    next call ran them to the end and threw their outputs away."""
+    engine, queued = llm.llm_engine, []
+    add_request = engine.add_request
+
+    def fail_second(request_id, *args, **kwargs):
+        if queued:
+            raise ValueError("refused")
+        queued.append(request_id)
+        return add_request(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", fail_second)
+    with pytest.raises(ValueError, match="refused"):
+        llm.generate(["hello", "there"], SamplingParams(max_tokens=2), use_tqdm=False)
+    monkeypatch.undo()
+    engine.step()  # reports the abort
+    assert queued and not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+    (output,) = llm.generate("again", SamplingParams(max_tokens=2, ignore_eos=True),
+                             use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 2
+
+
+def test_a_prompt_given_as_an_iterator_is_read_once(llm):
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    (listed,) = llm.generate(ids(1, 2, 3), params, use_tqdm=False)
+    (iterated,) = llm.generate({"prompt_token_ids": iter([1, 2, 3])}, params, use_tqdm=False)
+    assert iterated.prompt_token_ids == [1, 2, 3]
+    assert iterated.outputs[0].token_ids == listed.outputs[0].token_ids
+
+
+def test_generate_called_from_inside_generate_is_refused_not_deadlocked(llm):
+    class Reentrant:
+        def __iter__(self):
+            llm.generate("inner", SamplingParams(max_tokens=1), use_tqdm=False)
+            return iter([1, 2])
+
+    with pytest.raises(RuntimeError, match="called from inside another of its calls"):
+        llm.generate({"prompt_token_ids": Reentrant()}, use_tqdm=False)
+    (output,) = llm.generate("after", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 1
 
 
 def test_request_ids_must_be_non_empty_strings(llm):

@@ -294,9 +294,10 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
     (output,) = llm.chat(parts, greedy(2), use_tqdm=False)
     assert output.prompt == "<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\n"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(ValueError, match="text-only: a content part of type 'image_url'"):
+    with pytest.raises(ValueError, match="messages.0.content.0: Value error, content parts "
+                                         "of type 'image_url' are not supported"):
         llm.chat(image, greedy(2), use_tqdm=False)
-    with pytest.raises(ValueError, match="a conversation needs at least one message"):
+    with pytest.raises(ValueError, match="conversations of at least one message"):
         llm.chat([[]], greedy(2), use_tqdm=False)
 
 
@@ -337,30 +338,91 @@ def test_chat_refuses_a_conversation_too_long_to_tokenize_unless_its_end_is_kept
     assert "<|im_start|>assistant\n".endswith(output.prompt)  # its last 7 tokens
 
 
-ROLE = "a chat message's role must be one of system, developer, user, assistant, tool"
+USER = {"role": "user", "content": "hi"}
+ROLES = "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"
 
 
-@pytest.mark.parametrize("message, error", [
-    ({"content": "hi"}, ROLE),
-    ({"role": "", "content": "hi"}, ROLE),
-    ({"role": "wizard", "content": "hi"}, ROLE + r" \(as on the server\), got 'wizard'"),
-    ({"role": "user", "content": 5}, "content must be text or a list of text parts, got int"),
+@pytest.mark.parametrize("messages, error", [
+    ([{"content": "hi"}], "messages.0.role: Field required"),
+    ([{"role": "wizard", "content": "hi"}], ROLES),
+    ([{"role": "user", "content": 5}], "messages.0.content: Input should be a valid string"),
+    ([{"role": "user"}], "messages.0: Value error, a user message needs content"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "content part needs 'text'"),
+    ([{"role": "user", "content": [{"type": "text", "text": 123}]}],
+     "messages.0.content.0.text: Input should be a valid string"),
+    ([USER, {"role": "tool", "content": "x"}], "messages.1: .*needs tool_call_id"),
+    ([{**USER, "tool_calls": []}], "only assistant messages carry tool_calls"),
+    ([USER, {"role": "assistant", "tool_calls": "abc"}],
+     "messages.1.tool_calls: Input should be a valid list"),
+    ([USER, {"role": "assistant", "tool_calls": [{"id": "a", "function": "f"}]}],
+     "messages.1.tool_calls.0.function: Input should be a valid dictionary"),
 ])
-def test_chat_refuses_messages_the_template_cannot_render(llm, message, error):
+def test_chat_refuses_the_messages_the_server_refuses(llm, messages, error):
+    """One rule for both (fulcrum.chat_messages): each refusal names the message and field."""
     with pytest.raises(ValueError, match=error):
-        llm.chat([message], greedy(2), use_tqdm=False)
-    (output,) = llm.chat([{"role": "assistant", "content": None},
-                          {"role": "user", "content": "hi"}], greedy(1), use_tqdm=False)
+        llm.chat(messages, greedy(2), use_tqdm=False)
+    (output,) = llm.chat([{"role": "assistant", "content": None}, USER], greedy(1),
+                         use_tqdm=False)
     assert output.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("tools", [[{"x": 1}], [{"type": "function", "function": {}}],
-                                   [{"type": "retrieval", "function": {"name": "f"}}], ["f"]])
-def test_chat_refuses_tools_not_in_openais_form(llm, tools):
-    with pytest.raises(ValueError, match='a tool must be {"type": "function", "function"'):
-        llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False, tools=tools)
-    with pytest.raises(ValueError, match="LLM.chat needs a conversation"):
-        llm.chat([], greedy(1), use_tqdm=False)
+def test_chat_takes_a_calls_arguments_as_text_or_as_an_object(llm):
+    calls = [{"id": "a", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    as_text = llm.chat([USER, {"role": "assistant", "tool_calls": calls}], greedy(1),
+                       use_tqdm=False)
+    calls[0]["function"]["arguments"] = {"x": 1}
+    as_object = llm.chat([USER, {"role": "assistant", "tool_calls": calls}], greedy(1),
+                         use_tqdm=False)
+    assert as_text[0].prompt == as_object[0].prompt
+    assert '"arguments": {"x": 1}' in as_text[0].prompt
+
+
+@pytest.mark.parametrize("tools, error", [
+    ([{"x": 1}], "tools.0.function: Field required"),
+    ([{"type": "function", "function": {}}], "tools.0.function.name: Field required"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], "tools.0.type: Input should be"),
+    (["f"], "tools.0: Input should be a valid dictionary"),
+    ([{"type": "function", "function": {"name": 5}}], "tools.0.function.name: Input should "
+                                                      "be a valid string"),
+    ([{"type": "function", "function": {"name": "a b"}}], "String should match pattern"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+     "tools.0.function.parameters: Input should be a valid dictionary"),
+])
+def test_chat_refuses_tools_the_server_refuses(llm, tools, error):
+    with pytest.raises(ValueError, match=error):
+        llm.chat([USER], greedy(1), use_tqdm=False, tools=tools)
+
+
+@pytest.mark.parametrize("messages, kwargs, kind, error", [
+    ([], {}, ValueError, "conversations of at least one message"),
+    (USER, {}, TypeError, "messages must be a conversation .* got dict"),
+    ([USER], {"chat_template": 5}, TypeError, "chat_template must be a template's text"),
+    ([USER], {"chat_template": "{{ 1/0 }}"}, ValueError,
+     "the chat template failed: division by zero"),
+    ([USER], {"chat_template": "{{ raise_exception('no system') }}"}, ValueError,
+     "the chat template failed: no system"),
+    ([USER], {"chat_template": "{{ nothing.here.at_all }}"}, ValueError,
+     "the chat template failed: 'nothing' is undefined"),
+    ([USER], {"chat_template_kwargs": [1]}, TypeError, "chat_template_kwargs must be a dict"),
+    ([USER], {"chat_template_kwargs": {5: 1}}, TypeError, "chat_template_kwargs must be a dict"),
+    ([USER], {"chat_template_kwargs": {"messages": []}}, ValueError,
+     "chat_template_kwargs cannot set messages"),
+    ([USER], {"chat_template_kwargs": {"documents": 5}}, TypeError,
+     "Documents should be a list of dicts"),
+    ([USER], {"add_generation_prompt": "no"}, TypeError,
+     "add_generation_prompt must be True or False, got 'no'"),
+    ([USER], {"continue_final_message": "no"}, TypeError,
+     "continue_final_message must be True or False"),
+])
+def test_chat_names_what_is_wrong_with_its_arguments(llm, messages, kwargs, kind, error):
+    with pytest.raises(kind, match=error):
+        llm.chat(messages, greedy(1), use_tqdm=False, **kwargs)
+
+
+def test_chat_takes_a_conversation_from_any_iterable(llm):
+    (listed,) = llm.chat([USER], greedy(1), use_tqdm=False)
+    (generated,) = llm.chat((m for m in [USER]), greedy(1), use_tqdm=False)
+    assert generated.prompt == listed.prompt
 
 
 @pytest.mark.parametrize("prompts", [None, 5, 2.5])

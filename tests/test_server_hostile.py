@@ -257,6 +257,8 @@ def _type_cases() -> list:
         chat("type-add-generation-prompt", "add_generation_prompt",
              add_generation_prompt="x"),
         chat("type-chat-template-kwargs", "chat_template_kwargs", chat_template_kwargs="x"),
+        chat("template-kwargs-reserved", "chat_template_kwargs cannot set messages",
+             chat_template_kwargs={"messages": []}),
     ]
     return cases
 

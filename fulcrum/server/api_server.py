@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fulcrum import __version__
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from fulcrum.chat_messages import validation_message
 from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
 from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, error_response,
@@ -47,22 +48,12 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
-def _validation_message(error: RequestValidationError) -> str:
-    """One line per problem, naming the field, as OpenAI's 400 messages do."""
-    parts = []
-    for problem in error.errors():
-        location = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
-        message = str(problem.get("msg"))[:500]  # pydantic may quote the whole bad value
-        parts.append(f"{location}: {message}" if location else message)
-    return "; ".join(parts[:20]) or "invalid request"
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error)
 
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        message = _validation_message(error)
+        message = validation_message(error.errors())
         whole_body = any(tuple(problem.get("loc", ())) == ("body",) for problem in error.errors())
         if whole_body and "json" not in request.headers.get("content-type", "").lower():
             # FastAPI read the body as bytes, and pydantic's message says only that they

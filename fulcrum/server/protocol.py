@@ -12,31 +12,12 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fulcrum.chat_template import CHAT_ROLES, template_message
+from fulcrum.chat_messages import ChatMessage, ToolCallMessage, ToolDefinition
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
-from fulcrum.tokenizer import lone_surrogate
+from fulcrum.tokenizer import lone_surrogate_at
 
 # Each prompt of a request becomes an engine request; the queue limit bounds them too.
 MAX_PROMPTS_PER_REQUEST = 1024
-
-
-def lone_surrogate_at(value: Any) -> Optional[str]:
-    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (a \\ud800 escape
-    without its pair), as "field.0.key"; None if nowhere. No text holds one: tokenizers and
-    UTF-8 encoders raise on it deep inside a request's handling."""
-    pending: List[Tuple[Any, Tuple[Any, ...]]] = [(value, ())]
-    while pending:
-        item, path = pending.pop()
-        if isinstance(item, str):
-            if lone_surrogate(item) is not None:
-                return ".".join(map(str, path)) or "body"
-        elif isinstance(item, dict):
-            pending.extend((key, path) for key in item)
-            pending.extend((child, (*path, key)) for key, child in item.items())
-        elif isinstance(item, list):
-            pending.extend((child, (*path, i)) for i, child in enumerate(item)
-                           if isinstance(child, (str, dict, list)))
-    return None
 
 
 class RequestBody(BaseModel):
@@ -47,6 +28,7 @@ class RequestBody(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         where = lone_surrogate_at(data)
         if where is not None:
+            where = where or "body"
             raise ParamError(where.split(".")[0],
                              f"{where} is not valid Unicode: it holds a lone surrogate")
         return data
@@ -263,47 +245,6 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
 
-class ContentPart(BaseModel):
-    """A part of a message's content; fulcrum's models read text parts only."""
-
-    type: str
-    text: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _text_only(self) -> "ContentPart":
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported: this is "
-                             "a text-only model")
-        if self.text is None:
-            raise ValueError("a text content part needs 'text'")
-        return self
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
-
-
-class ToolCallMessage(BaseModel):
-    """A call in an assistant message of the history, or of a response."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(BaseModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[Dict[str, Any]] = None
-    strict: Optional[bool] = None
-
-
-class ToolDefinition(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
 class NamedFunction(BaseModel):
     name: str
 
@@ -311,48 +252,6 @@ class NamedFunction(BaseModel):
 class NamedToolChoice(BaseModel):
     type: Literal["function"] = "function"
     function: NamedFunction
-
-
-class ChatMessage(BaseModel):
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: Union[str, List[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made
-    tool_call_id: Optional[str] = None  # tool: the call this message answers
-    # assistant: its reasoning, which templates that keep past reasoning (Qwen3) show
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _has_content(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-    def template_dict(self, content_format: str = "string") -> Dict[str, Any]:
-        """The message as the chat template sees it, its content in the template's format
-        (`chat_template.message_content`: text parts joined one a line, or a list of parts)."""
-        content = self.content
-        if isinstance(content, list):
-            content = [part.model_dump(exclude_none=True) for part in content]
-        message: Dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": c.type, "function": {
-                    "name": c.function.name, "arguments": c.function.arguments}}
-                for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        for name in ("reasoning_content", "reasoning"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
-        return template_message(message, content_format)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional,
                     Sequence, Tuple, TypeVar, Union)
 
-import jinja2
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
-from fulcrum.chat_template import check_content_format, content_format
+from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_template_kwargs,
+                                   content_format)
 from fulcrum.detokenizer import prompt_text_offsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
@@ -654,6 +654,7 @@ class OpenAIServing:
         if tools:
             kwargs["tools"] = tools
         try:
+            check_template_kwargs(template_kwargs)
             template = tokenizer.template_for(chat_template or self.chat_template, tools)
             form = content_format(template, self.chat_template_content_format)
             text = tokenizer.apply_chat_template([m.template_dict(form) for m in messages],
@@ -662,8 +663,7 @@ class OpenAIServing:
             token_ids = self.llm.engine.encode(text, False, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
-        except (ValueError, TypeError, ArithmeticError, LookupError, RecursionError,
-                MemoryError, jinja2.TemplateError) as error:  # a template's own ({{ 1/0 }})
+        except (ValueError, TypeError, *TEMPLATE_ERRORS) as error:  # a template's own
             raise bad_request(error) from None
 
     # ------------------------------------------------------------- shared

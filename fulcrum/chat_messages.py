@@ -1,0 +1,136 @@
+"""Chat messages and tool definitions in OpenAI's form, checked alike for the server's
+requests and `LLM.chat`'s conversations, and turned into what chat templates read."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from fulcrum.chat_template import CHAT_ROLES, template_message
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; fulcrum's models read text parts only."""
+
+    type: str
+    text: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this is "
+                             "a text-only model")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class FunctionCall(BaseModel):
+    name: str
+    # A JSON object's text, as OpenAI sends it; or the object (as transformers' and vLLM's
+    # LLM.chat take a conversation's calls).
+    arguments: Union[str, Dict[str, Any]]
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message of the history, or of a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatMessage(BaseModel):
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: Union[str, List[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: the call this message answers
+    # assistant: its reasoning, which templates that keep past reasoning (Qwen3) show
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def template_dict(self, content_format: str = "string") -> Dict[str, Any]:
+        """The message as the chat template sees it, its content in the template's format
+        (`chat_template.message_content`: text parts joined one a line, or a list of parts)."""
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        message: Dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        for name in ("reasoning_content", "reasoning"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return template_message(message, content_format)
+
+
+# The names pydantic gives a union's members in an error's location ("content.str"): no
+# field of a request is named so, and they say nothing to a client.
+_UNION_MEMBERS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def validation_message(problems: Iterable[Dict[str, Any]]) -> str:
+    """pydantic's problems, one a line naming the field, as OpenAI's 400 messages do."""
+    parts = []
+    for problem in problems:
+        location = ".".join(str(p) for p in problem.get("loc", ()) if p != "body" and not (
+            isinstance(p, str) and ("[" in p or p in _UNION_MEMBERS)))
+        message = str(problem.get("msg"))[:500]  # pydantic may quote the whole bad value
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts[:20]) or "invalid request"
+
+
+def _checked(model: type, value: Any, where: str) -> BaseModel:
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        problems = [{**p, "loc": (where, *p.get("loc", ()))} for p in error.errors()]
+        raise ValueError(validation_message(problems)) from None
+
+
+def template_conversation(messages: Sequence[Any], content_format: str) -> List[Dict[str, Any]]:
+    """A conversation of message dicts, checked as the server checks a request's messages,
+    as the chat template reads it (content in its `content_format`)."""
+    return [_checked(ChatMessage, message, f"messages.{i}").template_dict(content_format)
+            for i, message in enumerate(messages)]
+
+
+def template_tools(tools: Optional[Sequence[Any]]) -> Optional[List[Dict[str, Any]]]:
+    """Tool definitions checked as the server checks them, as the chat template reads them."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    return [_checked(ToolDefinition, tool, f"tools.{i}").model_dump(exclude_none=True)
+            for i, tool in enumerate(tools)] or None
