@@ -4,6 +4,7 @@ their grammar without holding others up, survive preemption, and fail alone."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -11,9 +12,11 @@ import time
 
 import httpx
 import pytest
+import xgrammar.testing
 
 from conftest import running_server
 from fulcrum import LLM, SamplingParams
+from fulcrum import structured_output
 from fulcrum.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object",
@@ -125,6 +128,61 @@ def test_a_bad_constraint_is_refused_before_anything_is_queued(llm, constraint, 
         llm.generate(["hi"], constrained(**constraint), use_tqdm=False)
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == free
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems (at #)"),
+    ({"type": "array", "contains": {"const": 5}}, "contains (at #)"),
+    ({"not": {"type": "integer"}}, "not (at #)"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "if (at #)"),
+    ({"allOf": [{"type": "integer"}, {"type": "integer", "minimum": 5}]},
+     "allOf with more than one schema"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$",
+                                             "maxLength": 2}}},
+     "maxLength beside pattern (at #/properties/s)"),
+    ({"type": "string", "format": "email", "minLength": 3}, "minLength beside format"),
+    ({"type": "string", "format": "zip-code"}, "format 'zip-code'"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf on a number"),
+    ({"type": "array", "items": {"minimum": 5}}, "minimum without a type (at #/items)"),
+    ({"type": "string", "anyOf": [{"type": "integer"}]}, "type beside anyOf"),
+])
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused(llm, schema, keyword):
+    """Each was compiled and left unenforced (xgrammar 0.2.9): [2, 1, 1] under uniqueItems,
+    "caaaa" under pattern + maxLength. Accepting them gave outputs that break the schema."""
+    with pytest.raises(ValueError, match=re.escape(f"invalid json constraint: {keyword}")):
+        llm.generate(["hi"], constrained(json=schema), use_tqdm=False)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/A", "description": "d"}},
+     "$defs": {"A": {"type": "integer", "minimum": 1}}},
+    {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "default": None},
+    {"type": "object", "propertyNames": {"pattern": "^a"}},
+    {"type": "integer", "multipleOf": 3}, {"type": "string", "format": "date-time"},
+    {"const": {"not": 1}}, {"type": "array", "uniqueItems": False},
+    {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+])
+def test_schemas_the_grammar_enforces_are_taken(llm, schema):
+    (output,) = llm.generate(["hi"], constrained(json=schema, max_tokens=1), use_tqdm=False)
+    assert output.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_length_bounded_strings_are_json_strings(llm):
+    """xgrammar 0.2.9 wrote a string with minLength/maxLength as characters that include raw
+    control characters (no JSON) and no escapes; 6 of 8 random answers were no JSON."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3,
+                                                     "maxLength": 6}}, "required": ["s"]}
+    outputs = llm.generate(["x"] * 8, [constrained(seed, json=schema, max_tokens=40)
+                                       for seed in range(8)], use_tqdm=False)
+    finished = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason == "stop"]
+    assert len(finished) >= 4
+    for text in finished:
+        assert 3 <= len(json.loads(text)["s"]) <= 6, text
+    grammar = structured_output._parse(StructuredOutputsParams(json=schema))
+    accepts = functools.partial(xgrammar.testing._is_grammar_accept_string, grammar)
+    assert accepts('{"s": "a\\"b\\u00e9"}')  # an escape is one character
+    assert not accepts('{"s": "a\tbc"}') and not accepts('{"s": "abcdefg"}')
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -83,6 +83,24 @@ def test_mistral_reads_its_list():
     assert MistralParser.skip_special_tokens is False  # [TOOL_CALLS] is a special token
 
 
+def test_mistral_reads_v11_calls_and_makes_ids_its_templates_take():
+    """v11+ models (Mistral Small 3.2, Magistral, Devstral) write [TOOL_CALLS]name[ARGS]{...}
+    a call; Mistral's templates refuse a call id that is not 9 letters and digits when the
+    calls come back in the history."""
+    text = 'Sure[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}[TOOL_CALLS]get_weather' \
+           '[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome", "unit": "c"}'
+    parsed = MistralParser().parse(text)
+    assert parsed[0] == "Sure"
+    assert calls(parsed) == [("get_time", {"zone": "utc"}),
+                             ("get_weather", {"city": "Rome", "unit": "c"})]
+    for broken in ("[TOOL_CALLS]get_time[ARGS]{\"zone\": ", "[TOOL_CALLS]get_time{}"):
+        assert MistralParser().parse(broken) == (broken, [])
+    _, deltas, _ = feed_all(ToolCallStream("auto", MistralParser()), [text])
+    named = ToolCallStream("named", MistralParser(), function="get_time").feed("{")
+    for call_id in [d["id"] for d in deltas] + [named.tool_calls[0]["id"]]:
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id)
+
+
 def test_required_schema_offers_every_function():
     schema = required_schema(TOOLS)
     assert schema["minItems"] == 1 and "maxItems" not in schema
@@ -91,6 +109,34 @@ def test_required_schema_offers_every_function():
     assert names == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"][
         "parameters"]
+
+
+def test_required_schema_keeps_each_functions_definitions_at_the_root():
+    """Inside the list of calls, "#/$defs/..." would point at nothing (pydantic's tools have
+    $defs for every nested model): the definitions move to the root, as vLLM moves them."""
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    order = {"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "required": ["item"], "$defs": {"Item": item}}}}
+    schema = required_schema([order, WEATHER])
+    assert schema["$defs"] == {"Item": item}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" in order["function"]["parameters"]  # the request's own tool is unchanged
+    other = json.loads(json.dumps(order))
+    other["function"]["parameters"]["$defs"]["Item"] = {"type": "string"}
+    with pytest.raises(ValueError, match=r"tools define \$defs/Item differently"):
+        required_schema([order, other])
+    itself = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
+    with pytest.raises(ValueError, match="refer to their own root"):
+        required_schema([itself])
+
+
+def test_a_function_without_parameters_takes_no_arguments():
+    """Not any object: a model filled one with invented keys until max_tokens."""
+    bare = {"type": "function", "function": {"name": "now"}}
+    (call,) = required_schema([bare])["items"]["anyOf"]
+    assert call["properties"]["parameters"] == {"type": "object", "properties": {}}
 
 
 # ------------------------------------------------------------------ stream
@@ -260,7 +306,7 @@ def test_auto_streams_content_then_the_call(server):
     assert choices[-1]["finish_reason"] == "tool_calls"
     assert all(c["finish_reason"] is None for c in choices[:-1])
     # What the parser holds back (the call as it comes) sends no empty chunks meanwhile.
-    assert all(c["delta"].get("role") or c["delta"].get("content") is not None
+    assert all(c["delta"].get("role") or c["delta"].get("content")
                or c["delta"].get("tool_calls") or c["finish_reason"] for c in choices)
 
 
@@ -269,8 +315,10 @@ def test_named_streams_argument_pieces(server):
                                                  "function": {"name": "get_time"}}, seed=1)
     deltas = [d for c in choices for d in c["delta"].get("tool_calls") or []]
     assert len(deltas) > 2 and deltas[0]["function"]["name"] == "get_time"
-    assert all(d["index"] == 0 for d in deltas) and all("id" not in d or d["id"] is None
-                                                        for d in deltas[1:])
+    # Later pieces carry the arguments alone: a null "type" there broke the openai SDK's
+    # merging of the pieces (its stream helper asserted the type is "function").
+    assert all(d == {"index": 0, "function": {"arguments": d["function"]["arguments"]}}
+               for d in deltas[1:])
     arguments = "".join(d["function"]["arguments"] for d in deltas)
     assert json.loads(arguments)["zone"] in ("utc", "cet")
 
@@ -288,6 +336,26 @@ def test_the_openai_sdk_reads_the_calls(server):
     pieces = [c.choices[0].delta.tool_calls for c in stream if c.choices]
     names = [d.function.name for p in pieces if p for d in p if d.function.name]
     assert names == ["get_weather"]
+    # The SDK's stream helper merges the pieces of a named call as they come.
+    with client.chat.completions.stream(
+            model="m", messages=HISTORY, tools=TOOLS, max_tokens=80,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}) as events:
+        final = events.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_time"
+    assert "zone" in json.loads(call.function.arguments)
+
+
+def test_required_calls_a_function_whose_parameters_have_definitions(server):
+    item = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"]}
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/Where"}}, "required": ["at"],
+        "$defs": {"Where": item}}}}
+    reply = post(server, tools=[clock], tool_choice="required", parallel_tool_calls=False,
+                 max_tokens=200).json()
+    (call,) = reply["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["at"]["zone"] in ("utc", "cet")
 
 
 @pytest.mark.parametrize("body,param,message", [

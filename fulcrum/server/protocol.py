@@ -8,9 +8,9 @@ rejected with a 400 naming the field, never dropped silently.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from fulcrum.chat_messages import ChatMessage, ToolCallMessage, ToolDefinition
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
@@ -428,12 +428,22 @@ class ChatResponseMessage(BaseModel):
     tool_calls: List[ToolCallMessage] = Field(default_factory=list)
 
 
-class DeltaFunctionCall(BaseModel):
+class _WithoutNones(BaseModel):
+    """Sent without its unset fields: OpenAI's SDK merges a streamed call's pieces field by
+    field, and a later piece's `"type": null` overwrote the first's "function" (its stream
+    helper then failed); vLLM leaves them out too."""
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Callable[[Any], Dict[str, Any]]) -> Dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNones):
     name: Optional[str] = None
     arguments: Optional[str] = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNones):
     """A piece of a streamed call: the first carries its id and name, later ones arguments."""
 
     index: int

@@ -5,8 +5,10 @@ call is always JSON that matches the function's parameters. "auto" reads the mod
 format with the parser chosen by `--tool-call-parser` (vLLM's names): `hermes` (Qwen,
 Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json` (Llama
 3.x: a JSON object `{"name": ..., "parameters": {...}}`, several separated by `;`) and
-`mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`). Text that is not a
-well-formed call stays content: a parser never invents a call.
+`mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, or v11+'s
+`[TOOL_CALLS]name[ARGS]{...}` a call). Text that is not a well-formed call stays content: a
+parser never invents a call. Call ids are OpenAI-like, or Mistral's 9 letters and digits
+(its chat templates refuse any other id when the calls come back in the history).
 
 `ToolCallStream` turns one choice's text deltas into the chat deltas OpenAI streams: content
 until a call starts (text that might be the start of a call's marker is held back until it
@@ -16,28 +18,29 @@ is clear), then the calls, each with its id and name first and its arguments aft
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from fulcrum.sampling_params import StructuredOutputsParams
 
 
-def _call_id() -> str:
+def openai_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object's text
-    id: str = field(default_factory=_call_id)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def _call(name: Any, arguments: Any) -> ToolCall:
@@ -74,6 +77,7 @@ class ToolParser(ABC):
     marker: str  # where the calls start
     at_start_only = False  # the marker counts only at the start of the answer
     skip_special_tokens = True  # False where the marker is a special token
+    new_call_id: Callable[[], str] = staticmethod(openai_call_id)
 
     def start(self, text: str) -> Optional[int]:
         """Where the calls start in `text`, if they do."""
@@ -137,13 +141,25 @@ class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
     skip_special_tokens = False
+    new_call_id = staticmethod(mistral_call_id)
+    # v11+: [TOOL_CALLS]name[ARGS]{...}, [CALL_ID]id before [ARGS] in some versions.
+    _named = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\](.*)", re.DOTALL)
 
     def calls(self, text: str) -> List[ToolCall]:
-        body = text[len(self.marker):].replace(self.marker, "")
-        values = _objects(body)
+        body = text[len(self.marker):]
+        if not body.lstrip().startswith("["):
+            return [self._named_call(part) for part in body.split(self.marker)]
+        values = _objects(body.replace(self.marker, ""))
         if len(values) != 1 or not isinstance(values[0], list):
             raise ValueError("[TOOL_CALLS] must be followed by one JSON list")
         return [_call(value["name"], value.get("arguments", {})) for value in values[0]]
+
+    def _named_call(self, part: str) -> ToolCall:
+        found = self._named.fullmatch(part)
+        if found is None:
+            raise ValueError("not a [TOOL_CALLS]name[ARGS]{...} call")
+        (arguments,) = _objects(found.group(2))
+        return _call(found.group(1), arguments)
 
 
 PARSERS: Dict[str, Type[ToolParser]] = {
@@ -160,17 +176,51 @@ def make_parser(name: str) -> ToolParser:
 def required_schema(tools: Sequence[Dict[str, Any]], parallel: bool = True) -> Dict[str, Any]:
     """JSON for tool_choice "required": a non-empty list of calls of the given functions,
     each `{"name": ..., "parameters": {...}}` (vLLM's form); one call only unless
-    `parallel` (OpenAI's parallel_tool_calls)."""
+    `parallel` (OpenAI's parallel_tool_calls). Each function's definitions ($defs) move to
+    the root, where its references ("#/$defs/...") still find them (vLLM's)."""
     limit = {} if parallel else {"maxItems": 1}
-    return {"type": "array", "minItems": 1, **limit, "items": {"anyOf": [
-        {"type": "object",
-         "properties": {"name": {"enum": [t["function"]["name"]]},
-                        "parameters": parameters_schema(t)},
-         "required": ["name", "parameters"]} for t in tools]}}
+    definitions: Dict[str, Dict[str, Any]] = {}
+    calls = []
+    for tool in tools:
+        parameters = dict(parameters_schema(tool))
+        for key in _DEFINITIONS:
+            for name, schema in (parameters.pop(key, None) or {}).items():
+                if definitions.setdefault(key, {}).setdefault(name, schema) != schema:
+                    raise ValueError(f"tools define {key}/{name} differently; tool_choice "
+                                     '"required" needs one definition of each name')
+        _check_no_root_references(tool["function"]["name"], parameters)
+        calls.append({"type": "object",
+                      "properties": {"name": {"enum": [tool["function"]["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, **limit, "items": {"anyOf": calls}, **definitions}
+
+
+# Where a JSON schema keeps definitions its references point at.
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _check_no_root_references(name: str, schema: Any) -> None:
+    """Under "required" a function's parameters are no longer the root: a reference to the
+    root ("#", "#/properties/...") would point at the list of calls."""
+    pending = [schema]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(
+                    tuple(f"#/{key}/" for key in _DEFINITIONS)):
+                raise ValueError(f"the parameters of {name!r} refer to their own root "
+                                 f"({ref!r}), which tool_choice \"required\" cannot keep; "
+                                 "refer to a $defs entry instead")
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def parameters_schema(tool: Dict[str, Any]) -> Dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object"}
+    """A function's parameters; none means no arguments, "{}" (vLLM's), not any object."""
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
@@ -212,6 +262,7 @@ class ToolCallStream:
         self.text = ""
         self.sent = 0  # characters of `text` already sent as content (auto)
         self.named_id: Optional[str] = None
+        self.new_call_id = parser.new_call_id if parser is not None else openai_call_id
 
     def feed(self, delta: str) -> ToolDelta:
         self.text += delta
@@ -221,7 +272,7 @@ class ToolCallStream:
             return ToolDelta()  # calls are sent whole, at the end
         safe = len(self.text) - self._held_back()
         content, self.sent = self.text[self.sent:safe], max(self.sent, safe)
-        return ToolDelta(content=content)
+        return ToolDelta(content=content or None)  # no empty chunk while text is held back
 
     def finish(self) -> Tuple[ToolDelta, bool]:
         """What is left to send, and whether the answer was tool calls (an answer cut short
@@ -230,13 +281,13 @@ class ToolCallStream:
             return ToolDelta(), False
         if self.mode == "required":
             try:
-                return ToolDelta(tool_calls=_deltas(required_calls(self.text))), True
+                return ToolDelta(tool_calls=self._deltas(required_calls(self.text))), True
             except MALFORMED:
                 return ToolDelta(content=self.text or None), False
         content, calls = self.parser.parse(self.text)
         calls = calls if self.parallel else calls[:1]
         rest = (content or "")[self.sent:] if calls else self.text[self.sent:]
-        return ToolDelta(content=rest or None, tool_calls=_deltas(calls)), bool(calls)
+        return ToolDelta(content=rest or None, tool_calls=self._deltas(calls)), bool(calls)
 
     def whole(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]], bool]:
         """A whole answer (not streamed): its content, its calls, whether it was calls."""
@@ -249,7 +300,7 @@ class ToolCallStream:
 
     def _named(self, delta: str) -> ToolDelta:
         if self.named_id is None:
-            self.named_id = _call_id()
+            self.named_id = self.new_call_id()
             return ToolDelta(tool_calls=[{"index": 0, "id": self.named_id, "type": "function",
                                           "function": {"name": self.function,
                                                        "arguments": delta}}])
@@ -265,6 +316,7 @@ class ToolCallStream:
                 return size
         return 0
 
-
-def _deltas(calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
-    return [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
+    def _deltas(self, calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
+        return [{"index": i, "id": self.new_call_id(), "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for i, call in enumerate(calls)]
