@@ -5,6 +5,7 @@ engine with an error instead of hanging."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -281,6 +282,104 @@ def test_ranks_end_when_their_driver_is_killed(model_dirs, tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_an_llm_dropped_without_shutdown_ends_its_ranks_and_unpins_the_caller(model_dirs):
+    """The group held the executor through its rank check, so `del llm` left the ranks
+    running (with their share of model and cache) and the caller pinned to one core."""
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    _generate(llm)
+    (process,) = llm.llm_engine.executor._procs
+    del llm
+    gc.collect()
+    process.join(30)
+    assert not process.is_alive()
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
+def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
+    """An interrupt between the driver's collectives left the ranks a step apart: the next
+    call waited 60 s, then the engine was dead for good (one process recovers)."""
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    runner = llm.llm_engine.executor.driver.runner
+    execute, calls = runner.execute, []
+
+    def interrupted_midway(output):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, while the ranks work
+        return execute(output)
+
+    try:
+        reference = _generate(llm)
+        runner.execute = interrupted_midway
+        with pytest.raises(KeyboardInterrupt):
+            _generate(llm)
+        assert len(calls) == 3  # it came after the step it arrived in, not inside it
+        runner.execute = execute
+        start = time.monotonic()
+        again = _generate(llm)
+        assert time.monotonic() - start < 30
+        assert [o.outputs[0].token_ids for o in again] == \
+            [o.outputs[0].token_ids for o in reference]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_the_last_driver_to_unpin_gives_the_process_its_own_cores_back():
+    """Two engines alive at once, shut down in the order they started: the second saved the
+    first's pin as "the process's", and restoring it left the caller on one core."""
+    from fulcrum.distributed.launch import DriverPin, split_cores
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    first = DriverPin([min(cores)])
+    second = DriverPin([max(cores)])
+    assert DriverPin.process_cores() == cores
+    assert sorted(c for share in split_cores(len(cores)) for c in share) == sorted(cores)
+    first.release()
+    assert os.sched_getaffinity(0) == {max(cores)}  # the second is still pinned
+    second.release()
+    second.release()  # once only
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+
+
+def test_a_rank_whose_process_is_ending_is_named():
+    """A dying process's sentinel reads ready before it can be reaped, while is_alive()
+    still says True: the error then named no rank."""
+    from fulcrum.executor.multiproc import _Ranks
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    words, said = multiprocessing.Pipe(duplex=False)
+    writer.close()
+    said.close()
+
+    class Dying:
+        sentinel, exitcode, joined = reader, -9, False
+
+        def is_alive(self):
+            return not self.joined
+
+        def join(self, timeout=None):
+            self.joined = True
+
+    assert _Ranks([Dying()], [words]).dead() == "tensor-parallel rank 1 (exit code -9) stopped"
+
+
+def test_a_failed_start_leaves_no_shared_memory_file():
+    from fulcrum.distributed.shm import SharedMemoryCollectives, _shm_dir
+
+    def names():
+        return {n for n in os.listdir(_shm_dir()) if n.startswith("fulcrum-tp-")}
+
+    before = names()
+
+    def barrier():
+        raise ConnectionError("a rank ended while the engine started")
+
+    with pytest.raises(ConnectionError):
+        SharedMemoryCollectives(0, 2, lambda path: path, barrier)
+    assert names() == before
 
 
 def _alive(pid: int) -> bool:

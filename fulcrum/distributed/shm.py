@@ -59,12 +59,14 @@ class SharedMemoryCollectives:
             fd, path = tempfile.mkstemp(prefix="fulcrum-tp-", dir=_shm_dir())
             os.ftruncate(fd, size)
             os.close(fd)
-        path = publish(path)
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), size)
-        barrier()
-        if rank == 0:
-            os.unlink(path)  # the mapping outlives the name: nothing is left behind on a crash
+        try:
+            path = publish(path)
+            with open(path, "r+b") as f:
+                self._map = mmap.mmap(f.fileno(), size)
+            barrier()
+        finally:  # the mapping outlives the name: nothing is left behind, a crash included
+            if rank == 0:
+                os.unlink(path)
         # Per rank: the sequence number of its latest data, and of the latest it has read.
         self._ready = np.frombuffer(self._map, np.int64, world_size, 0)
         self._done = np.frombuffer(self._map, np.int64, world_size, 8 * world_size)

@@ -52,22 +52,23 @@ class MultiprocExecutor(ParallelExecutor):
         port = free_port(LOCALHOST)
         context = multiprocessing.get_context("spawn")  # forking a process with threads is unsafe
         pipes = [context.Pipe(duplex=False) for _ in range(1, world)]
-        self._last_words = [reader for reader, _ in pipes]
-        self._why: Dict[int, str] = {}
         self._procs = [context.Process(target=run_rank,
                                        args=(wc, rank, world, port, cores[rank], writer),
                                        name=f"fulcrum-tp-rank{rank}", daemon=True)
                        for rank, (_, writer) in enumerate(pipes, 1)]
+        self._ranks = _Ranks(self._procs, [reader for reader, _ in pipes])
         super().__init__()
         for process, (_, writer) in zip(self._procs, pipes):
             process.start()
             writer.close()  # the rank holds its own end; at its exit the pipe reads EOF
+        # An engine dropped without shutdown ends its ranks (they held its share of the
+        # model and cache for as long as the caller lived).
         self._finalizer = weakref.finalize(self, _stop, self._procs, 0.0)
         try:
             self._pin_driver(cores[0])
             group = connect(0, world, LOCALHOST, port,
                             torch.device("cuda", 0) if wc.device == "cuda" else torch.device("cpu"),
-                            host=LOCALHOST, same_host=True, gone=self._dead_ranks)
+                            host=LOCALHOST, same_host=True, gone=self._ranks.dead)
             threading.Thread(target=_abort_when_one_ends, args=(self._procs, group),
                              name="fulcrum-tp-watch", daemon=True).start()
             self._start_driver(wc, group)
@@ -75,8 +76,26 @@ class MultiprocExecutor(ParallelExecutor):
             self._fail_start(error)
 
     def _dead_ranks(self) -> str:
+        return self._ranks.dead()
+
+    def _stop_ranks(self) -> None:
+        self._finalizer.detach()
+        _stop(self._procs, 0.0 if self._failed else STOP_TIMEOUT_S)
+
+
+class _Ranks:
+    """The spawned ranks, and what each said before it ended. The group asks `dead` when a
+    collective stalls, so this holds no reference to the executor (through the group and
+    the watcher thread it would keep the executor, and so the ranks, alive for good)."""
+
+    def __init__(self, procs: List[multiprocessing.Process],
+                 last_words: List[multiprocessing.connection.Connection]) -> None:
+        self._procs, self._last_words = procs, last_words
+        self._why: Dict[int, str] = {}
+
+    def dead(self) -> str:
         return describe_dead([f"rank {rank} (exit code {p.exitcode}{self._error_of(rank)})"
-                              for rank, p in enumerate(self._procs, 1) if not p.is_alive()])
+                              for rank, p in enumerate(self._procs, 1) if _ended(p)])
 
     def _error_of(self, rank: int) -> str:
         """': <the error it failed with>' if the rank sent one before it ended."""
@@ -88,9 +107,15 @@ class MultiprocExecutor(ParallelExecutor):
                 self._why[rank] = ""
         return self._why[rank]
 
-    def _stop_ranks(self) -> None:
-        self._finalizer.detach()
-        _stop(self._procs, 0.0 if self._failed else STOP_TIMEOUT_S)
+
+def _ended(process: multiprocessing.Process) -> bool:
+    """Ended, or ending: a dying process's sentinel reads ready (the kernel closed its
+    descriptors) before it can be reaped, while is_alive() still says True (the group,
+    aborted by the sentinel, then failed naming no rank)."""
+    if process.is_alive() and not multiprocessing.connection.wait([process.sentinel], 0):
+        return False
+    process.join(STOP_TIMEOUT_S)  # reaped, with its exit code
+    return True
 
 
 def _abort_when_one_ends(procs: List[multiprocessing.Process], group: ParallelGroup) -> None:

@@ -9,14 +9,15 @@ engine stops rather than run on with ranks out of step.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import signal
+import threading
+import weakref
 from abc import abstractmethod
-from typing import List, Optional, Sequence
-
-import torch
+from typing import Iterator, List, Optional, Sequence
 
 from fulcrum.distributed.group import ParallelGroup
-from fulcrum.distributed.launch import pin_to_cores
+from fulcrum.distributed.launch import DriverPin
 from fulcrum.executor.base import Executor, ExecutorError
 from fulcrum.worker.model_runner import StepResult
 from fulcrum.core.scheduler import SchedulerOutput
@@ -29,7 +30,7 @@ class ParallelExecutor(Executor):
     def __init__(self) -> None:
         self._failed: Optional[BaseException] = None
         self._closed = False
-        self._saved_pin: Optional[tuple] = None
+        self._pin: Optional[DriverPin] = None
         self._steps = StepInputBuilder()
 
     def _start_driver(self, wc: WorkerConfig, group: ParallelGroup) -> None:
@@ -38,10 +39,11 @@ class ParallelExecutor(Executor):
 
     def _pin_driver(self, cores: Optional[Sequence[int]]) -> None:
         """Run the driver's thread (and the threads it starts) on its share of the cores;
-        undone at shutdown, since the driver's process is the caller's."""
+        undone at shutdown, or when the executor is dropped without one, since the driver's
+        process is the caller's."""
         if cores:
-            self._saved_pin = (os.sched_getaffinity(0), torch.get_num_threads())
-            pin_to_cores(cores)
+            self._pin = DriverPin(cores)
+            weakref.finalize(self, self._pin.release)
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         if self._failed is not None:
@@ -50,14 +52,18 @@ class ParallelExecutor(Executor):
         if dead:
             self._failed = ExecutorError(dead)
             raise self._failed
-        try:
-            step = self._steps.build(output)
-            if step is not None:
-                self.group.broadcast_object(step)
-            return self.driver.runner.execute(output)
-        except Exception as error:
-            raise (self._failure(error, "during a step")
-                   or ExecutorError(f"a tensor-parallel step failed: {error!r}")) from error
+        with _interrupts_after_the_step():
+            try:
+                step = self._steps.build(output)
+                if step is not None:
+                    self.group.broadcast_object(step)
+                return self.driver.runner.execute(output)
+            except Exception as error:
+                raise (self._failure(error, "during a step") or ExecutorError(
+                    f"a tensor-parallel step failed: {error!r}")) from error
+            except BaseException as error:  # the ranks may be mid-step: none can follow now
+                self._failed = error
+                raise
 
     def _failure(self, error: BaseException, during: str) -> Optional[ExecutorError]:
         """Record `error`; and if ranks have ended, the error that names them (the failed
@@ -84,10 +90,8 @@ class ParallelExecutor(Executor):
             except Exception:  # noqa: BLE001 - the ranks are stopped below either way
                 pass
         self._stop_ranks()
-        if self._saved_pin is not None:
-            affinity, threads = self._saved_pin
-            os.sched_setaffinity(0, affinity)
-            torch.set_num_threads(threads)
+        if self._pin is not None:
+            self._pin.release()
 
     @abstractmethod
     def _dead_ranks(self) -> str:
@@ -96,6 +100,26 @@ class ParallelExecutor(Executor):
     @abstractmethod
     def _stop_ranks(self) -> None:
         """Wait a little for the ranks to finish (none after a failure), then end them."""
+
+
+@contextlib.contextmanager
+def _interrupts_after_the_step() -> Iterator[None]:
+    """Ctrl-C in the caller's main thread lands once the step is over, not inside it: an
+    interrupt between the driver's collectives left the ranks a step apart, and the next
+    call then waited 60 s for a collective no rank would reach (the engine was dead for
+    good, where one process recovers). A step is milliseconds to a second."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is None:  # a handler not set from Python
+        yield
+        return
+    received: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:  # to whatever handles it now, as if it came now: after the step
+        signal.raise_signal(signal.SIGINT)
 
 
 def describe_dead(ranks: List[str]) -> str:

@@ -5,6 +5,7 @@ cluster; otherwise Ray starts a local one). Ray is an optional extra: pip instal
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import List, Optional, Sequence
 
@@ -87,7 +88,7 @@ class RayExecutor(ParallelExecutor):
             self._pin_driver(cores[0])
             device = torch.device("cuda", 0) if not cpu else torch.device("cpu")
             group = connect(0, world, driver_ip, port, device, host=driver_ip,
-                            same_host=same_host, gone=self._dead_ranks)
+                            same_host=same_host, gone=functools.partial(_dead_runs, self._runs))
             threading.Thread(target=_abort_when_one_ends, args=(self._runs, group),
                              name="fulcrum-tp-watch", daemon=True).start()
             self._start_driver(wc, group)
@@ -95,17 +96,7 @@ class RayExecutor(ParallelExecutor):
             self._fail_start(error)
 
     def _dead_ranks(self) -> str:
-        ray = _ray()
-        ended, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
-        dead = []
-        for rank, run in enumerate(self._runs, 1):
-            if run in ended:
-                try:
-                    ray.get(run)
-                    dead.append(f"rank {rank} (returned)")
-                except Exception as error:  # noqa: BLE001 - reported as the rank's end
-                    dead.append(f"rank {rank} ({type(error).__name__})")
-        return describe_dead(dead)
+        return _dead_runs(self._runs)
 
     def _stop_ranks(self) -> None:
         ray = _ray()
@@ -118,6 +109,22 @@ class RayExecutor(ParallelExecutor):
         remove_placement_group(self._placement)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _dead_runs(runs: List) -> str:
+    """The ranks whose run has ended. A function of the runs alone: the group asks it, and
+    a method would keep the executor alive through the group for good."""
+    ray = _ray()
+    ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    dead = []
+    for rank, run in enumerate(runs, 1):
+        if run in ended:
+            try:
+                ray.get(run)
+                dead.append(f"rank {rank} (returned)")
+            except Exception as error:  # noqa: BLE001 - reported as the rank's end
+                dead.append(f"rank {rank} ({type(error).__name__})")
+    return describe_dead(dead)
 
 
 def _abort_when_one_ends(runs: List, group: ParallelGroup) -> None:
