@@ -25,8 +25,13 @@ from fulcrum.tokenizer import Tokenizer
 # characters (no U+FFFD at a cut through one), at most 24 (vLLM's rule).
 CONTEXT_TOKENS = (4, 24)
 # The most tokens a prompt may end with that are the start of a character still incomplete
-# (a 4-byte UTF-8 character's first 3 bytes): its output completes it.
+# (a 4-byte UTF-8 character's first 3 bytes): its output completes it. The same bounds the
+# tokens at the end of any text that may still become a character.
 MAX_PARTIAL_TOKENS = 3
+# Unread tokens past which those before the last MAX_PARTIAL_TOKENS are read as they are:
+# while no character completes (bytes that are no UTF-8, special tokens skipped), the window
+# decoded each step would grow without end, each token costing as much as all before it.
+MAX_UNREAD_TOKENS = 2 * MAX_PARTIAL_TOKENS
 
 
 class IncrementalDetokenizer:
@@ -101,11 +106,9 @@ class IncrementalDetokenizer:
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return "", 0
-        if self._unread_prompt:
-            before = next((text for text in self._unread_prompt
-                           if len(text) > len(before) and after.startswith(text)), before)
-            self._unread_prompt = []
+            settled = self._settle(before, after)
+            return settled, len(settled)  # the newest token is still unread, after it
+        before = self._prompts_part(before, after)
         own_start = 0
         if self.text_offsets is not None and len(self.tokens) - self.read_offset > 1:
             unread = self._decode(self.tokens[self.prefix_offset:-1])
@@ -113,6 +116,37 @@ class IncrementalDetokenizer:
                 own_start = max(0, len(unread) - len(before))
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return after[len(before):], own_start
+
+    def _settle(self, before: str, after: str) -> str:
+        """Past MAX_UNREAD_TOKENS unread, the text of all but the last MAX_PARTIAL_TOKENS
+        that have text (they may still begin a character; skipped special tokens between
+        a character's bytes do not part them), read as it is: its U+FFFD stay. The cut is
+        the latest that splits no character (the text up to it begins `after`)."""
+        if len(self.tokens) - self.read_offset <= MAX_UNREAD_TOKENS:
+            return ""
+        latest = len(self.tokens)
+        if after.endswith("\ufffd"):
+            with_text = 0
+            while latest > self.read_offset and with_text < MAX_PARTIAL_TOKENS \
+                    and len(self.tokens) - latest < 4 * MAX_UNREAD_TOKENS:
+                latest -= 1
+                with_text += bool(self._decode(self.tokens[latest:latest + 1]))
+        for cut in range(latest, self.read_offset, -1):
+            text = self._decode(self.tokens[self.prefix_offset:cut])
+            if len(text) >= len(before) and after.startswith(text):
+                before = self._prompts_part(before, text)
+                self.prefix_offset, self.read_offset = self.read_offset, cut
+                return text[len(before):]
+        return ""
+
+    def _prompts_part(self, before: str, text: str) -> str:
+        """`before`, or where the context ends in prompt tokens not yet read, the longest of
+        their texts that `text` begins with (the rest is the output's)."""
+        if self._unread_prompt:
+            before = next((t for t in self._unread_prompt
+                           if len(t) > len(before) and text.startswith(t)), before)
+            self._unread_prompt = []
+        return before
 
     def _find_stop(self, start: int) -> Optional[str]:
         best = None

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import pytest
 
-from fulcrum.detokenizer import IncrementalDetokenizer
+from fulcrum.detokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.tokenizer import Tokenizer
 
@@ -280,3 +280,27 @@ def test_special_tokens_take_no_width_where_skipped(byte_tok):
     ids = encode(byte_tok, "hi") + [257] + encode(byte_tok, "yo")
     assert offsets_of(byte_tok, ids) == [0, 1, 2, 2, 3]
     assert offsets_of(byte_tok, ids, skip_special_tokens=False) == [0, 1, 2, 14, 15]
+
+
+def test_text_that_never_completes_a_character_is_read_in_a_bounded_window(byte_tok):
+    """Bytes that are no UTF-8 (or skipped special tokens) kept every token unread: each
+    step decoded them all (quadratic: 3,000 such tokens took 1.1 s and gave no text)."""
+    lead, continuation = encode(byte_tok, "é")
+    for ids in ([continuation] * 300, encode(byte_tok, "ab") + [257] * 300 + encode(byte_tok, "c"),
+                [lead] * 300, ([continuation] * 5 + encode(byte_tok, "é")) * 40):
+        detok = IncrementalDetokenizer(byte_tok, SamplingParams())
+        for token_id in ids:
+            detok.update([token_id])
+            assert len(detok.tokens) - detok.prefix_offset <= 3 * MAX_UNREAD_TOKENS
+        full = byte_tok.decode(ids)
+        assert full.startswith(detok.output_text)
+        assert len(full) - len(detok.output_text) <= MAX_UNREAD_TOKENS  # a tail maybe held
+
+
+def test_skipped_special_tokens_do_not_part_a_characters_bytes(byte_tok):
+    lead, continuation = encode(byte_tok, "é")
+    ids = encode(byte_tok, "a") + [lead] + [257] * (2 * MAX_UNREAD_TOKENS) + [continuation]
+    detok = IncrementalDetokenizer(byte_tok, SamplingParams())
+    for token_id in ids:
+        detok.update([token_id])
+    assert detok.output_text == byte_tok.decode(ids) == "aé"
