@@ -10,6 +10,27 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from fulcrum.chat_template import CHAT_ROLES, template_message
 
 
+# The most messages, and content parts in all, one conversation may have: each is checked
+# and converted in Python, on the server's event loop (300,000 parts held every client up
+# for 2.5 s); no real conversation comes near.
+MAX_MESSAGES = 10_000
+MAX_CONTENT_PARTS = 10_000
+
+
+def check_conversation_size(messages: Any) -> None:
+    """Refuse a conversation too large to check, before any message of it is checked."""
+    if not isinstance(messages, (list, tuple)):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages holds {len(messages):,} messages, more than the "
+                         f"{MAX_MESSAGES:,} allowed")
+    parts = sum(len(m["content"]) for m in messages
+                if isinstance(m, dict) and isinstance(m.get("content"), (list, tuple)))
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"messages hold {parts:,} content parts in all, more than the "
+                         f"{MAX_CONTENT_PARTS:,} allowed")
+
+
 class ContentPart(BaseModel):
     """A part of a message's content; fulcrum's models read text parts only."""
 
@@ -122,6 +143,7 @@ def _checked(model: type, value: Any, where: str) -> BaseModel:
 def template_conversation(messages: Sequence[Any], content_format: str) -> List[Dict[str, Any]]:
     """A conversation of message dicts, checked as the server checks a request's messages,
     as the chat template reads it (content in its `content_format`)."""
+    check_conversation_size(messages)
     return [_checked(ChatMessage, message, f"messages.{i}").template_dict(content_format)
             for i, message in enumerate(messages)]
 

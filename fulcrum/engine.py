@@ -30,7 +30,7 @@ from fulcrum.models import model_class
 from fulcrum.models.sharding import Shard
 from fulcrum.worker.model_runner import ModelRunner, StepResult
 from fulcrum.output_processor import OutputProcessor
-from fulcrum.outputs import RequestOutput
+from fulcrum.outputs import RequestFault, RequestOutput
 from fulcrum.core.request import Request, RequestStatus, SloTargets
 from fulcrum.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingParams, is_int
 from fulcrum.core.scheduler import Scheduler
@@ -223,8 +223,9 @@ class LLMEngine:
     @staticmethod
     def _advance_grammars(scheduled, sampled: Dict[str, Any]) -> Dict[str, str]:
         """Move each constrained request's matcher past its new token; a token the grammar
-        refuses (only possible when every token was masked) fails its request."""
-        refused = {}
+        refuses (only possible when every token was masked) fails its request, and so does
+        a grammar that takes too long a token (the request's own fault)."""
+        refused: Dict[str, str] = {}
         for chunk in scheduled.chunks:
             row = chunk.sampling
             if row is None or row.grammar is None or chunk.request_id not in sampled:
@@ -233,6 +234,9 @@ class LLMEngine:
             if not row.grammar.accept(token):
                 refused[chunk.request_id] = (f"token {token} is not allowed by the request's "
                                              "structured-output grammar")
+                del sampled[chunk.request_id]
+            elif row.grammar.too_costly:
+                refused[chunk.request_id] = RequestFault(row.grammar.too_costly)
                 del sampled[chunk.request_id]
         return refused
 

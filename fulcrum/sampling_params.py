@@ -62,6 +62,10 @@ class RequestOutputKind(enum.Enum):
 # The constraints a StructuredOutputsParams may carry; exactly one is set.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_GRAMMAR_CHARS = 1 << 20
+# A regex or EBNF grammar compiles in time that climbs with its length: "a" * 65,536 in
+# ~1.3 s here, a 1 MiB one for over a minute, holding up every constrained request queued
+# behind it on the one compile thread.
+MAX_PATTERN_CHARS = 1 << 16
 # Nesting of a JSON schema document: xgrammar's compile time grows with about its cube
 # (~0.01 s at 64 here, 4.5 s at 600), and a compile holds up whoever waits on it. OpenAI's
 # structured outputs allow 10 levels of objects, each 2 of the document.
@@ -71,12 +75,16 @@ MAX_SCHEMA_DEPTH = 64
 # 10,000 enum values 0.1 s, 20,000 5 s). OpenAI allows 5,000 properties, 1,000 enum values.
 MAX_SCHEMA_PROPERTIES = 5_000
 MAX_ALTERNATIVES = 10_000
+# anyOf / oneOf / allOf branches in all: 5,000 string branches compiled in 4 s and cost ~19 ms
+# a token in every step while a value was inside them (1,000: 0.4 s).
+MAX_SCHEMA_BRANCHES = 1_000
 
 
-def schema_size(value: Any) -> Tuple[int, int, int]:
-    """(nesting depth, object properties, enum values) of a parsed JSON schema (a scalar
-    nests 0 deep), counted everywhere in the document, without recursion."""
-    deepest, properties, alternatives = 0, 0, 0
+def schema_size(value: Any) -> Tuple[int, int, int, int]:
+    """(nesting depth, object properties, enum values, anyOf/oneOf/allOf branches) of a
+    parsed JSON schema (a scalar nests 0 deep), counted everywhere in the document, without
+    recursion."""
+    deepest, properties, alternatives, branches = 0, 0, 0, 0
     pending = [(value, 0)]
     while pending:
         item, depth = pending.pop()
@@ -86,10 +94,12 @@ def schema_size(value: Any) -> Tuple[int, int, int]:
                 properties += len(item["properties"])
             if isinstance(item.get("enum"), list):
                 alternatives += len(item["enum"])
+            branches += sum(len(item[key]) for key in ("anyOf", "oneOf", "allOf")
+                            if isinstance(item.get(key), list))
             pending.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
             pending.extend((child, depth + 1) for child in item)
-    return deepest, properties, alternatives
+    return deepest, properties, alternatives, branches
 
 
 @dataclass
@@ -134,12 +144,15 @@ class StructuredOutputsParams:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_unicode(self.kind, getattr(self, self.kind))
+        if self.kind in ("regex", "grammar") and len(self.source) > MAX_PATTERN_CHARS:
+            raise ValueError(f"the {self.kind} constraint is longer than {MAX_PATTERN_CHARS} "
+                             "characters")
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the {self.kind} constraint is longer than {MAX_GRAMMAR_CHARS} "
                              "characters")
 
     def _check_schema_size(self) -> None:
-        depth, properties, alternatives = schema_size(self.json)
+        depth, properties, alternatives, branches = schema_size(self.json)
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if properties > MAX_SCHEMA_PROPERTIES:
@@ -148,6 +161,9 @@ class StructuredOutputsParams:
         if alternatives > MAX_ALTERNATIVES:
             raise ValueError(f"the JSON schema's enums have {alternatives} values in all, more "
                              f"than the {MAX_ALTERNATIVES} allowed")
+        if branches > MAX_SCHEMA_BRANCHES:
+            raise ValueError(f"the JSON schema has {branches} anyOf / oneOf / allOf branches in "
+                             f"all, more than the {MAX_SCHEMA_BRANCHES} allowed")
 
     @property
     def kind(self) -> str:

@@ -17,6 +17,7 @@ import concurrent.futures
 import hashlib
 import re
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +28,12 @@ from fulcrum.tokenizer import Tokenizer
 
 # Parsed and compiled grammars kept for reuse, the least recently used dropped first.
 MAX_CACHED_GRAMMARS = 256
+# What a request's grammar may take from the steps it shares with every request in the
+# batch (masking its row, accepting its token), on average a token after a grace for its
+# first ones. An ambiguous grammar grows slower token by token (208 ms a token by its 322nd
+# here, for every request in the batch); a typical one takes well under a millisecond.
+GRAMMAR_SECONDS_PER_TOKEN = 0.01
+GRAMMAR_GRACE_SECONDS = 0.5
 # xgrammar's errors start with a timestamp and its source file: "[12:00:00] /x/y.cc:42: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -63,6 +70,8 @@ class RequestGrammar:
     def __init__(self, compiled: "concurrent.futures.Future[xgr.CompiledGrammar]") -> None:
         self._compiled = compiled
         self._matcher: Optional[xgr.GrammarMatcher] = None
+        self._seconds = 0.0  # spent masking and matching for this request
+        self._tokens = 0
 
     @property
     def ready(self) -> bool:
@@ -84,8 +93,28 @@ class RequestGrammar:
             self._matcher = xgr.GrammarMatcher(self._compiled.result())
         return self._matcher
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write into `bitmask`'s `row` the tokens the grammar allows next."""
+        start = time.perf_counter()
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._seconds += time.perf_counter() - start
+
     def accept(self, token_id: int) -> bool:
-        return self.matcher.accept_token(token_id)
+        start = time.perf_counter()
+        accepted = self.matcher.accept_token(token_id)
+        self._seconds += time.perf_counter() - start
+        self._tokens += 1
+        return accepted
+
+    @property
+    def too_costly(self) -> Optional[str]:
+        """Why the grammar may not go on (it takes too long a token), or None."""
+        if self._seconds <= GRAMMAR_GRACE_SECONDS + GRAMMAR_SECONDS_PER_TOKEN * self._tokens:
+            return None
+        return (f"the structured-output grammar took {1e3 * self._seconds / self._tokens:.0f}"
+                f" ms a token, more than the {1e3 * GRAMMAR_SECONDS_PER_TOKEN:.0f} ms a request "
+                "may take from every step (the whole batch waits for it); simplify the "
+                "constraint")
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may come."""
@@ -278,6 +307,6 @@ def apply_grammar_masks(logits: torch.Tensor,
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)
     for i in rows:
-        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+        grammars[i].fill(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
                                     indices=rows)

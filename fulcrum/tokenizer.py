@@ -3,6 +3,7 @@ tokens, and its chat templates (rendered by fulcrum.chat_template)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -34,6 +35,11 @@ def lone_surrogate_at(value: Any) -> Optional[str]:
     UTF-16 surrogate (a \\ud800 escape without its pair), as "field.0.key" ("" for `value`
     itself); None if nowhere. No text holds one: tokenizers and UTF-8 encoders raise on it
     deep inside a request's handling."""
+    try:  # in C, most of the time: a walk in Python took seconds for a large body
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):
+        pass  # one is there (or the value is no JSON): the walk says where
     pending: List[Tuple[Any, Tuple[Any, ...]]] = [(value, ())]
     while pending:
         item, path = pending.pop()

@@ -356,6 +356,7 @@ ROLES = "messages.0.role: Input should be 'system', 'developer', 'user', 'assist
      "messages.1.tool_calls: Input should be a valid list"),
     ([USER, {"role": "assistant", "tool_calls": [{"id": "a", "function": "f"}]}],
      "messages.1.tool_calls.0.function: Input should be a valid dictionary"),
+    ([USER] * 10_001, "10,001 messages, more than the 10,000 allowed"),
 ])
 def test_chat_refuses_the_messages_the_server_refuses(llm, messages, error):
     """One rule for both (fulcrum.chat_messages): each refusal names the message and field."""

@@ -443,6 +443,21 @@ def _unicode_and_cost_cases() -> list:
                                                     {"enum": list(range(5001))}]}}),
         comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
              guided_choice=[f"c{i}" for i in range(10001)]),
+        comp("json-schema-1001-branches", ("1001 anyOf", "1000"),
+             structured_outputs={"json": {"anyOf": [{"type": "integer"}] * 1001}}),
+        comp("guided-regex-over-65536-characters", ("regex", "65536"),
+             guided_regex="a" * 65537),
+        # 16 prompts of 8,000 tokens with prompt_logprobs=20 took 2.1 GB and stalled every
+        # client for 19 s: a request's logprobs are bounded in all.
+        comp("prompt-logprobs-over-the-entries-a-request-may-have", ("logprobs", "524,288"),
+             prompt=[[5] * 100] * 300, prompt_logprobs=20, max_tokens=1),
+        comp("logprobs-over-the-entries-a-request-may-have", ("logprobs", "524,288"),
+             n=128, max_tokens=200, logprobs=20),
+        # Each message and part is checked in Python on the event loop (300,000 parts: 2.5 s).
+        chat("messages-over-10000", ("10,001 messages", "10,000"),
+             messages=[{"role": "user", "content": "x"}] * 10001),
+        chat("content-parts-over-10000", ("10,001 content parts", "10,000"),
+             messages=user([TEXT_PART] * 10001)),
         # vLLM's fields fulcrum does not serve, where they would change the answer.
         comp("use-beam-search", ("use_beam_search", "beam"), use_beam_search=True),
         chat("logits-processors", "logits_processors", logits_processors=["my.module:F"]),

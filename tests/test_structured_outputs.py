@@ -210,13 +210,25 @@ def _properties(count: int, nested: bool = False) -> dict:
 
 def test_schema_size_limits_count_the_whole_schema():
     # What compiles in seconds is allowed; one more property or enum value is refused.
-    from fulcrum.sampling_params import MAX_ALTERNATIVES, MAX_SCHEMA_PROPERTIES, schema_size
+    from fulcrum.sampling_params import (MAX_ALTERNATIVES, MAX_PATTERN_CHARS,
+                                         MAX_SCHEMA_BRANCHES, MAX_SCHEMA_PROPERTIES, schema_size)
 
-    assert schema_size(_properties(5000, nested=True)) == (5, 5000, 0)
-    assert schema_size({"anyOf": [{"enum": [1, 2]}, {"enum": ["a"]}]}) == (4, 0, 3)
+    assert schema_size(_properties(5000, nested=True)) == (5, 5000, 0, 0)
+    assert schema_size({"anyOf": [{"enum": [1, 2]}, {"enum": ["a"]}]}) == (4, 0, 3, 2)
     StructuredOutputsParams(json=_properties(MAX_SCHEMA_PROPERTIES, nested=True))
     with pytest.raises(ValueError, match="5001 object properties in all, more than the 5000"):
         StructuredOutputsParams(json=_properties(MAX_SCHEMA_PROPERTIES + 1, nested=True))
+    branches = {"anyOf": [{"type": "string", "minLength": i % 7}
+                          for i in range(MAX_SCHEMA_BRANCHES)]}
+    StructuredOutputsParams(json=branches)
+    branches["anyOf"].append({"type": "integer"})
+    with pytest.raises(ValueError, match="1001 anyOf / oneOf / allOf branches in all"):
+        StructuredOutputsParams(json=branches)
+    StructuredOutputsParams(regex="a" * MAX_PATTERN_CHARS)
+    with pytest.raises(ValueError, match="regex constraint is longer than 65536 characters"):
+        StructuredOutputsParams(regex="a" * (MAX_PATTERN_CHARS + 1))
+    with pytest.raises(ValueError, match="grammar constraint is longer than 65536"):
+        StructuredOutputsParams(grammar='root ::= "' + "a" * MAX_PATTERN_CHARS + '"')
     enums = {"anyOf": [{"enum": list(range(MAX_ALTERNATIVES // 2))},
                        {"enum": list(range(MAX_ALTERNATIVES // 2))}]}
     StructuredOutputsParams(json=enums)
@@ -435,3 +447,19 @@ def test_openai_client_on_real_weights(stories_client):
     assert set(texts(response_format=fmt)) <= set(COLOR_TEXTS)
     assert all(re.fullmatch(r"[a-z]+ [0-9]{2}", t) for t in texts(guided_regex=r"[a-z]+ [0-9]{2}"))
     assert set(texts(guided_choice=["Lily", "Tom"])) <= {"Lily", "Tom"}
+
+
+def test_a_grammar_that_takes_too_long_a_token_fails_its_request_alone(llm, monkeypatch):
+    """An ambiguous grammar grew slower token by token (208 ms a token by its 322nd), and
+    every request in the batch waited for it: past its budget, it fails, its own fault."""
+    monkeypatch.setattr(structured_output, "GRAMMAR_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(structured_output, "GRAMMAR_SECONDS_PER_TOKEN", 0.0)
+    plain = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    costly, free = llm.generate(["hi", "hi"], [constrained(regex="[a-z]+"), plain],
+                                use_tqdm=False)
+    assert costly.outputs[0].finish_reason == "error"
+    assert len(costly.outputs[0].token_ids) == 0
+    assert re.search(r"the structured-output grammar took \d+ ms a token, more than the 0 ms",
+                     costly.error)
+    assert len(free.outputs[0].token_ids) == 5
+    assert not llm.llm_engine.has_unfinished_requests()

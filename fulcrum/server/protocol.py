@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from fulcrum.chat_messages import ChatMessage, ToolCallMessage, ToolDefinition
+from fulcrum.chat_messages import (ChatMessage, ToolCallMessage, ToolDefinition,
+                                   check_conversation_size)
 from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.tokenizer import lone_surrogate_at
 
@@ -254,7 +255,18 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class _Conversation(BaseModel):
+    """A body with chat messages: their number is checked before each message is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_conversation_size(data.get("messages"))
+        return data
+
+
+class ChatCompletionRequest(SamplingRequest, _Conversation):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -325,7 +337,7 @@ class ChatCompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(RequestBody, _Conversation):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None

@@ -31,7 +31,7 @@ from fulcrum.detokenizer import prompt_text_offsets
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.outputs import Logprob
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import ParamError, SamplingParams
 from fulcrum.server import tool_calls
 from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
@@ -77,6 +77,20 @@ def bad_request(error: Union[str, Exception]) -> APIError:
 
 
 MAX_REQUEST_ID_CHARS = 256
+# The most logprobs (prompt and output entries, each token's alternatives included) one
+# request may return: each is a Python object on the engine's side and a JSON value on the
+# event loop's (16 prompts x 8,000 tokens x 21 took 2.1 GB and stalled every client 19 s).
+MAX_LOGPROB_ENTRIES = 1 << 19
+
+
+def logprob_entries(num_prompt_tokens: int, max_tokens: int, params: SamplingParams) -> int:
+    """The logprob entries a prompt's request may return at most."""
+    entries = 0
+    if params.prompt_logprobs is not None:
+        entries += num_prompt_tokens * (params.prompt_logprobs + 1)
+    if params.logprobs is not None:
+        entries += params.n * max_tokens * (params.logprobs + 1)
+    return entries
 
 
 @dataclass(frozen=True)
@@ -690,8 +704,15 @@ class OpenAIServing:
         """Refuse the whole request before any of it streams or reaches the engine."""
         try:
             self.llm.engine.cache_salt({"cache_salt": request.cache_salt})
+            entries = 0
             for _, token_ids in prompts:
-                self.llm.check_request(len(token_ids), params)
+                max_tokens = self.llm.engine.validate_params(params, len(token_ids))
+                entries += logprob_entries(len(token_ids), max_tokens, params)
+            if entries > MAX_LOGPROB_ENTRIES:
+                raise ParamError("logprobs", f"this request could return {entries:,} logprobs "
+                                 f"(prompt tokens x (prompt_logprobs + 1), and n x max_tokens "
+                                 f"x (logprobs + 1)), more than the {MAX_LOGPROB_ENTRIES:,} one "
+                                 "request may; ask for fewer tokens or alternatives")
             self.llm.check_capacity(len(prompts) * params.n)
         except (ValueError, TypeError) as error:
             raise bad_request(error) from None
