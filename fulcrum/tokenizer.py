@@ -13,6 +13,12 @@ from fulcrum.chat_template import find_chat_templates, pick_template, render_cha
 from fulcrum.json_files import read_json_object
 
 
+# Texts (or token lists) longer than this go through the tokenizers library's batch calls,
+# which let go of the GIL while they work: its single calls hold it throughout (a
+# 1.1-million-character text held every other thread, the server's event loop, 0.9 s).
+LONG_TEXT_CHARS = 10_000
+
+
 def _read_json(path: Path) -> Dict[str, Any]:
     return read_json_object(path) if path.is_file() else {}
 
@@ -117,6 +123,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         try:
+            if len(text) > LONG_TEXT_CHARS:
+                return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # tokenizers': "TextInputSequence must be str"
             where = lone_surrogate(text) if isinstance(text, str) else None
@@ -126,6 +134,8 @@ class Tokenizer:
             raise
 
     def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) > LONG_TEXT_CHARS:
+            return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> Optional[str]:

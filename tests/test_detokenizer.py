@@ -8,7 +8,7 @@ import pytest
 
 from fulcrum.detokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.tokenizer import Tokenizer
+from fulcrum.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
 TEXTS = ["héllo wörld 你好 🎉", "Once upon a time there was a cat.", "a  b\n\nc 🎉🎉 ü", "🎉"]
 
@@ -304,3 +304,13 @@ def test_skipped_special_tokens_do_not_part_a_characters_bytes(byte_tok):
     for token_id in ids:
         detok.update([token_id])
     assert detok.output_text == byte_tok.decode(ids) == "aé"
+
+
+def test_long_texts_go_through_the_batch_calls_alike(tok):
+    """Past LONG_TEXT_CHARS the tokenizers library's batch calls (which let go of the GIL,
+    so the server's event loop runs on) must give what the single ones give."""
+    text = (TEXTS[0] + " " + TEXTS[1]) * (LONG_TEXT_CHARS // 20)
+    assert len(text) > LONG_TEXT_CHARS
+    ids = tok.encode(text)
+    assert ids == tok._tok.encode(text).ids
+    assert tok.decode(ids) == tok._tok.decode(ids, skip_special_tokens=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -753,3 +754,24 @@ def test_engine_still_serves_and_holds_no_block(server, async_llm, stories_dir):
     wait_idle(async_llm, timeout=30.0)
     manager = async_llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_long_prompts_and_constraints_are_prepared_off_the_event_loop(server, monkeypatch):
+    """Tokenizing a long prompt, or parsing a constraint (the first builds xgrammar's view of
+    the vocabulary), held every other client up for as long (1.15 million characters: 1.6 s);
+    short plain prompts are not worth a thread."""
+    from fulcrum.server import serving
+
+    threads = []
+    prepare = serving.OpenAIServing._completion_prompts
+
+    def recording(self, *args):
+        threads.append(threading.get_ident())
+        return prepare(self, *args)
+
+    monkeypatch.setattr(serving.OpenAIServing, "_completion_prompts", recording)
+    for fields in ({}, {"prompt": "Once " * 3000}, {"guided_regex": "[a-z]+"}):
+        httpx.post(server.url + "/v1/completions", json=completion_body(max_tokens=1, **fields),
+                   timeout=TIMEOUT)
+    loop, long, constrained = threads
+    assert long != loop and constrained != loop

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import contextlib
+from functools import partial
 from typing import AsyncIterator
 
 import uvicorn
@@ -38,7 +39,8 @@ from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, er
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
-from fulcrum.server.serving import APIError, OpenAIServing, bad_request, overloaded
+from fulcrum.server.serving import (HEAVY_PROMPT_ITEMS, APIError, OpenAIServing, bad_request,
+                                    off_loop_if, overloaded)
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +210,8 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
                 continue_final_message=request.continue_final_message)
         else:
             try:
-                tokens = llm.engine.encode(request.prompt, request.add_special_tokens)
+                tokens = await off_loop_if(len(request.prompt) > HEAVY_PROMPT_ITEMS, partial(
+                    llm.engine.encode, request.prompt, request.add_special_tokens))
             except ValueError as error:
                 raise bad_request(error) from None
         return TokenizeResponse(count=len(tokens), max_model_len=llm.config.max_model_len,
@@ -218,12 +221,14 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(request.model)
         vocab = llm.engine.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab]
-        if bad:
+        tokens = request.tokens
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+            bad = [t for t in tokens if not 0 <= t < vocab]
             raise bad_request(f"token id {bad[0]} is out of vocabulary (valid ids are "
                               f"0..{vocab - 1})")
-        return DetokenizeResponse(prompt=llm.tokenizer.decode(request.tokens,
-                                                              request.skip_special_tokens))
+        text = await off_loop_if(len(request.tokens) > HEAVY_PROMPT_ITEMS, partial(
+            llm.tokenizer.decode, request.tokens, request.skip_special_tokens))
+        return DetokenizeResponse(prompt=text)
 
     return router
 
