@@ -123,8 +123,11 @@ class OutputProcessor:
         if request.status is RequestStatus.FINISHED_LENGTH:
             child.stopped_at_length = stop
             return False
+        if request.status is RequestStatus.FINISHED_STOPPED:
+            request.stop_reason = stop  # the string outranks the stop token it ends with (vLLM)
+            return False
         if request.is_finished:
-            return False  # a stop token or grammar (the reason), or a failure, ended it first
+            return False  # a failure ended it first
         request.stop_reason = stop
         return True
 

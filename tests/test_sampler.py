@@ -336,6 +336,13 @@ def test_stop_string_ends_request_and_is_excluded(llm):
                       stop=[stop], include_stop_str_in_output=True)
     assert kept.text == text[:k + len(stop)]
     assert kept.finish_reason == "stop" and kept.stop_reason == stop
+    # A stop token whose text completes a stop string: the string is the reason (vLLM's).
+    cut_token = kept.token_ids[-1]
+    assert cut_token not in kept.token_ids[:-1]  # so it stops there, not before
+    both = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True,
+                      stop=[stop], include_stop_str_in_output=True, stop_token_ids=[cut_token])
+    assert (both.text, both.token_ids[-1]) == (kept.text, cut_token)
+    assert both.finish_reason == "stop" and both.stop_reason == stop
     # The last token max_tokens allows completes the string: the string ended it (vLLM).
     last = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=len(cut.token_ids),
                       ignore_eos=True, stop=[stop])
