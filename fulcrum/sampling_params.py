@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -26,6 +27,8 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
 
 
 class ParamError(ValueError):
@@ -44,6 +47,16 @@ def check_unicode(name: str, value: Any) -> None:
     if where is not None:
         raise ParamError(name, f"{'.'.join(filter(None, (name, where)))} is not valid Unicode: "
                                "it holds a lone surrogate")
+
+
+def _python_number(value: Any) -> Any:
+    """A number of any kind (numpy's too) as a Python int or float; anything else (bools
+    included) as it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return value if isinstance(value, float) else float(value)
 
 
 def is_int(value: object) -> bool:
@@ -211,6 +224,7 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self._as_python_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -222,6 +236,19 @@ class SamplingParams:
             self.top_k = 0
         self._verify()
         self._verify_token_controls()
+
+    def _as_python_numbers(self) -> None:
+        """numpy's integers and floats (an evaluation script's seeds and settings) as
+        Python's; bools stay bools, for the checks to refuse."""
+        for name in (*_INT_FIELDS, *_FLOAT_FIELDS, "slo_ttft_ms", "slo_tpot_ms"):
+            setattr(self, name, _python_number(getattr(self, name)))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                setattr(self, name, [_python_number(t) for t in value])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_python_number(k): _python_number(v)
+                               for k, v in self.logit_bias.items()}
 
     def _verify(self) -> None:
         def fail(name: str, rule: str) -> None:

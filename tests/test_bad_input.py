@@ -635,3 +635,20 @@ def test_top_k_beyond_the_vocabulary_means_no_cap(llm):
         return llm.generate(ids(1, 2, 3), params, use_tqdm=False)[0].outputs[0].token_ids
 
     assert sample(10 ** 30) == sample(VOCAB) == sample(0)
+
+
+def test_numpy_numbers_are_taken_as_pythons():
+    """An evaluation script's seeds and settings often come from numpy: np.int64(3) was
+    refused as "not an integer", np.float32(0.5) as "not a finite number"."""
+    import numpy as np
+
+    params = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), seed=np.int32(3),
+                            max_tokens=np.uint16(9), stop_token_ids=[np.int64(5)],
+                            logit_bias={np.int64(7): np.float32(1.5)}, top_p=np.float64(0.9))
+    assert (params.n, params.temperature, params.seed, params.max_tokens) == (2, 0.5, 3, 9)
+    assert params.stop_token_ids == [5] and params.logit_bias == {7: 1.5}
+    assert all(type(v) is int for v in (params.n, params.seed, params.max_tokens))
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=np.bool_(True))
+    with pytest.raises(ValueError, match="top_k must be a non-negative integer"):
+        SamplingParams(top_k=np.float32(2.0))
