@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from fulcrum.chat_template import CHAT_ROLES, template_message
 
 
-# The most messages, and content parts in all, one conversation may have: each is checked
+# The most messages, and content parts and tool calls in all, one conversation may have:
+# each is checked
 # and converted in Python, on the server's event loop (300,000 parts held every client up
 # for 2.5 s); no real conversation comes near.
 MAX_MESSAGES = 10_000
@@ -24,11 +25,11 @@ def check_conversation_size(messages: Any) -> None:
     if len(messages) > MAX_MESSAGES:
         raise ValueError(f"messages holds {len(messages):,} messages, more than the "
                          f"{MAX_MESSAGES:,} allowed")
-    parts = sum(len(m["content"]) for m in messages
-                if isinstance(m, dict) and isinstance(m.get("content"), (list, tuple)))
+    parts = sum(len(m[key]) for m in messages if isinstance(m, dict)
+                for key in ("content", "tool_calls") if isinstance(m.get(key), (list, tuple)))
     if parts > MAX_CONTENT_PARTS:
-        raise ValueError(f"messages hold {parts:,} content parts in all, more than the "
-                         f"{MAX_CONTENT_PARTS:,} allowed")
+        raise ValueError(f"messages hold {parts:,} content parts and tool calls in all, more "
+                         f"than the {MAX_CONTENT_PARTS:,} allowed")
 
 
 class ContentPart(BaseModel):
@@ -55,9 +56,10 @@ class FunctionCall(BaseModel):
 
 
 class ToolCallMessage(BaseModel):
-    """A call in an assistant message of the history, or of a response."""
+    """A call in an assistant message of the history (its id may be left out, as
+    transformers' tool-use examples do), or of a response."""
 
-    id: str
+    id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -88,8 +90,9 @@ class ChatMessage(BaseModel):
     def _has_content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
+        if self.role == "tool" and not (self.tool_call_id or self.name):
+            raise ValueError("a tool message needs tool_call_id (or the name of the function "
+                             "it answers)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return self
@@ -105,7 +108,7 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": c.type, "function": {
+                {**({"id": c.id} if c.id is not None else {}), "type": c.type, "function": {
                     "name": c.function.name, "arguments": c.function.arguments}}
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -142,10 +145,17 @@ def _checked(model: type, value: Any, where: str) -> BaseModel:
 
 def template_conversation(messages: Sequence[Any], content_format: str) -> List[Dict[str, Any]]:
     """A conversation of message dicts, checked as the server checks a request's messages,
-    as the chat template reads it (content in its `content_format`)."""
+    as the chat template reads it (content in its `content_format`). Keys OpenAI's messages
+    do not have (transformers' `thinking`, a template's own) reach the template as given."""
     check_conversation_size(messages)
-    return [_checked(ChatMessage, message, f"messages.{i}").template_dict(content_format)
+    return [_template_message(message, f"messages.{i}", content_format)
             for i, message in enumerate(messages)]
+
+
+def _template_message(message: Any, where: str, content_format: str) -> Dict[str, Any]:
+    checked = _checked(ChatMessage, message, where).template_dict(content_format)
+    return {**{key: value for key, value in message.items()
+               if key not in ChatMessage.model_fields}, **checked}
 
 
 def template_tools(tools: Optional[Sequence[Any]]) -> Optional[List[Dict[str, Any]]]:

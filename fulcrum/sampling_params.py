@@ -93,26 +93,112 @@ MAX_ALTERNATIVES = 10_000
 MAX_SCHEMA_BRANCHES = 1_000
 
 
-def schema_size(value: Any) -> Tuple[int, int, int, int]:
-    """(nesting depth, object properties, enum values, anyOf/oneOf/allOf branches) of a
-    parsed JSON schema (a scalar nests 0 deep), counted everywhere in the document, without
-    recursion."""
-    deepest, properties, alternatives, branches = 0, 0, 0, 0
+@dataclass
+class SchemaSize:
+    """What a JSON schema's compile time climbs with, counted everywhere in the document."""
+
+    depth: int = 0  # nesting (a scalar nests 0 deep)
+    properties: int = 0  # object properties
+    alternatives: int = 0  # enum values
+    branches: int = 0  # anyOf / oneOf / allOf entries
+    pattern_chars: int = 0  # the regexes of "pattern"s and "patternProperties"' keys
+
+
+def schema_size(value: Any) -> SchemaSize:
+    """The size of a parsed JSON schema, found without recursion."""
+    size = SchemaSize()
     pending = [(value, 0)]
     while pending:
         item, depth = pending.pop()
-        deepest = max(deepest, depth)
+        size.depth = max(size.depth, depth)
         if isinstance(item, dict):
             if isinstance(item.get("properties"), dict):
-                properties += len(item["properties"])
+                size.properties += len(item["properties"])
             if isinstance(item.get("enum"), list):
-                alternatives += len(item["enum"])
-            branches += sum(len(item[key]) for key in ("anyOf", "oneOf", "allOf")
-                            if isinstance(item.get(key), list))
+                size.alternatives += len(item["enum"])
+            size.branches += sum(len(item[key]) for key in ("anyOf", "oneOf", "allOf")
+                                 if isinstance(item.get(key), list))
+            if isinstance(item.get("pattern"), str):
+                size.pattern_chars += len(item["pattern"])
+            if isinstance(item.get("patternProperties"), dict):
+                size.pattern_chars += sum(map(len, item["patternProperties"]))
             pending.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
             pending.extend((child, depth + 1) for child in item)
-    return deepest, properties, alternatives, branches
+    return size
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: the
+# places a schema's subschemas are (anything else is data: an enum's values, a default).
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
+              "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+# What xgrammar (0.2.9) accepts in a JSON schema and then does not enforce: each was
+# checked by compiling a schema and feeding it a value that breaks the keyword.
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas")
+# Not checked: "format", which JSON Schema (2019-09 on) makes an annotation unless a
+# validator opts in: xgrammar holds strings to the formats it knows (date, email, uri, ...)
+# and takes the rest, and the lengths beside them (pydantic's HttpUrl), as annotations too.
+# Keywords that constrain a value of one type: without a "type" beside them, xgrammar lets
+# any value through.
+_TYPED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+          "minLength", "maxLength", "pattern")
+# What constrains a value beside an anyOf / oneOf / $ref, which xgrammar then ignores.
+_VALIDATION = ("type", "enum", "const", "properties", "required", "items", "prefixItems",
+               "additionalProperties", "patternProperties", "propertyNames", "minItems",
+               "maxItems", "minProperties", "maxProperties", *_TYPED)
+
+
+def unenforced_schema_keyword(schema: Any) -> Optional[str]:
+    """Why some keyword of a JSON schema would be accepted and not enforced (the output could
+    break it), naming the keyword and where it is; None if every keyword holds. vLLM refuses
+    such schemas for xgrammar too."""
+    pending: List[Tuple[Any, str]] = [(schema, "#")]
+    while pending:
+        item, where = pending.pop()
+        if not isinstance(item, dict):
+            continue
+        problem = _unenforced_here(item)
+        if problem is not None:
+            return f"{problem} (at {where}) cannot be enforced; leave it out of the schema"
+        for key in _SUBSCHEMA:
+            sub = item.get(key)
+            if key == "propertyNames" and isinstance(sub, dict):
+                sub = {"type": "string", **sub}  # names are strings, said so or not
+            pending.append((sub, f"{where}/{key}"))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(item.get(key), list):
+                pending.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(item[key]))
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(item.get(key), dict):
+                pending.extend((sub, f"{where}/{key}/{name}") for name, sub in item[key].items())
+    return None
+
+
+def _unenforced_here(schema: Dict[str, Any]) -> Optional[str]:
+    found = next((key for key in _UNENFORCED if key in schema), None)
+    if found is not None:
+        return found
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf with more than one schema"
+    bounded = [key for key in ("minLength", "maxLength") if key in schema]
+    if bounded and "pattern" in schema:
+        return f"{bounded[0]} beside pattern"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return "multipleOf on a number that is not of type integer"
+    untyped = next((key for key in _TYPED if key in schema), None)
+    if untyped is not None and "type" not in schema:
+        return f"{untyped} without a type"
+    combined = next((key for key in ("anyOf", "oneOf", "$ref") if key in schema), None)
+    beside = next((key for key in _VALIDATION if key in schema), None)
+    if combined is not None and beside is not None:
+        return f"{beside} beside {combined}"
+    return None
 
 
 @dataclass
@@ -165,18 +251,21 @@ class StructuredOutputsParams:
                              "characters")
 
     def _check_schema_size(self) -> None:
-        depth, properties, alternatives, branches = schema_size(self.json)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        if properties > MAX_SCHEMA_PROPERTIES:
-            raise ValueError(f"the JSON schema has {properties} object properties in all, "
-                             f"more than the {MAX_SCHEMA_PROPERTIES} allowed")
-        if alternatives > MAX_ALTERNATIVES:
-            raise ValueError(f"the JSON schema's enums have {alternatives} values in all, more "
-                             f"than the {MAX_ALTERNATIVES} allowed")
-        if branches > MAX_SCHEMA_BRANCHES:
-            raise ValueError(f"the JSON schema has {branches} anyOf / oneOf / allOf branches in "
-                             f"all, more than the {MAX_SCHEMA_BRANCHES} allowed")
+        size = schema_size(self.json)
+        limits = [(size.depth, MAX_SCHEMA_DEPTH, "nests {} levels deep"),
+                  (size.properties, MAX_SCHEMA_PROPERTIES, "has {} object properties in all"),
+                  (size.alternatives, MAX_ALTERNATIVES, "has {} enum values in all"),
+                  (size.branches, MAX_SCHEMA_BRANCHES, "has {} anyOf / oneOf / allOf branches "
+                                                       "in all"),
+                  (size.pattern_chars, MAX_PATTERN_CHARS, "has {} characters of patterns in "
+                                                          "all")]
+        for found, limit, what in limits:
+            if found > limit:
+                raise ValueError(f"the JSON schema {what.format(found)}, more than the "
+                                 f"{limit} allowed")
+        problem = unenforced_schema_keyword(self.json)
+        if problem is not None:
+            raise ValueError(f"the JSON schema's {problem}")
 
     @property
     def kind(self) -> str:

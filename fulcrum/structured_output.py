@@ -18,7 +18,7 @@ import hashlib
 import re
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import xgrammar as xgr
@@ -184,9 +184,6 @@ def _parse(params: StructuredOutputsParams) -> xgr.Grammar:
     any_whitespace = not params.disable_any_whitespace
     try:
         if kind == "json":
-            problem = unenforced_schema_keyword(params.json)
-            if problem is not None:
-                raise ValueError(f"invalid json constraint: {problem}")
             return _json_schema_grammar(params.source, any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
@@ -214,81 +211,6 @@ def _json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
     if _LENGTH_BOUNDED_CHARACTER not in text:
         return grammar
     return xgr.Grammar.from_ebnf(text.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
-
-
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: the
-# places a schema's subschemas are (anything else is data: an enum's values, a default).
-_SUBSCHEMA = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
-              "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
-# What xgrammar (0.2.9) accepts in a JSON schema and then does not enforce: each was
-# checked by compiling a schema and feeding it a value that breaks the keyword.
-_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
-               "dependentRequired", "dependentSchemas")
-_ENFORCED_FORMATS = ("date", "date-time", "time", "duration", "email", "hostname", "ipv4",
-                     "ipv6", "uri", "uri-reference", "uri-template", "uuid", "json-pointer")
-# Keywords that constrain a value of one type: without a "type" beside them, xgrammar lets
-# any value through.
-_TYPED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-          "minLength", "maxLength", "pattern", "format")
-# What constrains a value beside an anyOf / oneOf / $ref, which xgrammar then ignores.
-_VALIDATION = ("type", "enum", "const", "properties", "required", "items", "prefixItems",
-               "additionalProperties", "patternProperties", "propertyNames", "minItems",
-               "maxItems", "minProperties", "maxProperties", *_TYPED)
-
-
-def unenforced_schema_keyword(schema: Any) -> Optional[str]:
-    """Why some keyword of a JSON schema would be accepted and not enforced (the output could
-    break it), naming the keyword and where it is; None if every keyword holds. vLLM refuses
-    such schemas for xgrammar too."""
-    pending: List[Tuple[Any, str]] = [(schema, "#")]
-    while pending:
-        item, where = pending.pop()
-        if not isinstance(item, dict):
-            continue
-        problem = _unenforced_here(item)
-        if problem is not None:
-            return f"{problem} (at {where}) cannot be enforced; leave it out of the schema"
-        for key in _SUBSCHEMA:
-            sub = item.get(key)
-            if key == "propertyNames" and isinstance(sub, dict):
-                sub = {"type": "string", **sub}  # names are strings, said so or not
-            pending.append((sub, f"{where}/{key}"))
-        for key in _SUBSCHEMA_LISTS:
-            if isinstance(item.get(key), list):
-                pending.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(item[key]))
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(item.get(key), dict):
-                pending.extend((sub, f"{where}/{key}/{name}") for name, sub in item[key].items())
-    return None
-
-
-def _unenforced_here(schema: Dict[str, Any]) -> Optional[str]:
-    found = next((key for key in _UNENFORCED if key in schema), None)
-    if found is not None:
-        return found
-    if schema.get("uniqueItems") is True:
-        return "uniqueItems"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return "allOf with more than one schema"
-    if "format" in schema and schema["format"] not in _ENFORCED_FORMATS:
-        return f"format {schema['format']!r}"
-    bounded = [key for key in ("minLength", "maxLength") if key in schema]
-    shaped = [key for key in ("pattern", "format") if key in schema]
-    if bounded and shaped:
-        return f"{bounded[0]} beside {shaped[0]}"
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        return "multipleOf on a number that is not of type integer"
-    untyped = next((key for key in _TYPED if key in schema), None)
-    if untyped is not None and "type" not in schema:
-        return f"{untyped} without a type"
-    combined = next((key for key in ("anyOf", "oneOf", "$ref") if key in schema), None)
-    beside = next((key for key in _VALIDATION if key in schema), None)
-    if combined is not None and beside is not None:
-        return f"{beside} beside {combined}"
-    return None
 
 
 def _ebnf_literal(text: str) -> str:

@@ -367,6 +367,22 @@ def test_chat_refuses_the_messages_the_server_refuses(llm, messages, error):
     assert output.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_chat_takes_conversations_as_transformers_writes_them(llm):
+    """Calls without ids, a tool answer naming its function, and keys of the template's own
+    (transformers' `thinking`): the first two were refused, the last dropped."""
+    history = [USER, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "name": "f", "content": "22"}]
+    (output,) = llm.chat(history, greedy(1), use_tqdm=False)
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in output.prompt
+    assert "<tool_response>\n22\n</tool_response>" in output.prompt
+    template = "{% for m in messages %}[{{ m.thinking }}:{{ m.mood }}]{% endfor %}"
+    (output,) = llm.chat([{**USER, "mood": "glad"}, {"role": "assistant", "content": "A",
+                                                     "thinking": "hmm"}],
+                         greedy(1), use_tqdm=False, chat_template=template)
+    assert output.prompt == "[:glad][hmm:]"
+
+
 def test_chat_takes_a_calls_arguments_as_text_or_as_an_object(llm):
     calls = [{"id": "a", "function": {"name": "f", "arguments": '{"x": 1}'}}]
     as_text = llm.chat([USER, {"role": "assistant", "tool_calls": calls}], greedy(1),

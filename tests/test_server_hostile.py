@@ -439,7 +439,7 @@ def _unicode_and_cost_cases() -> list:
         chat("json-schema-5001-properties", ("schema", "5001", "5000"),
              response_format={"type": "json_schema", "json_schema": {"name": "wide", "schema": {
                  "type": "object", "properties": {f"p{i}": {} for i in range(5001)}}}}),
-        comp("json-schema-enums-10001-values", ("enums", "10001", "10000"),
+        comp("json-schema-enums-10001-values", ("enum", "10001", "10000"),
              structured_outputs={"json": {"anyOf": [{"enum": list(range(5000))},
                                                     {"enum": list(range(5001))}]}}),
         comp("guided-choice-10001-strings", ("choice", "10001", "10000"),
@@ -459,6 +459,9 @@ def _unicode_and_cost_cases() -> list:
              messages=[{"role": "user", "content": "x"}] * 10001),
         chat("content-parts-over-10000", ("10,001 content parts", "10,000"),
              messages=user([TEXT_PART] * 10001)),
+        chat("tool-calls-over-10000", ("10,001 content parts and tool calls", "10,000"),
+             messages=[{"role": "assistant", "tool_calls": [
+                 {"id": "a", "function": {"name": "f", "arguments": "{}"}}] * 10001}]),
         # vLLM's fields fulcrum does not serve, where they would change the answer.
         comp("use-beam-search", ("use_beam_search", "beam"), use_beam_search=True),
         chat("logits-processors", "logits_processors", logits_processors=["my.module:F"]),

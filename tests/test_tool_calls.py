@@ -130,6 +130,16 @@ def test_required_schema_keeps_each_functions_definitions_at_the_root():
         "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
     with pytest.raises(ValueError, match="refer to their own root"):
         required_schema([itself])
+    hidden = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"n": {"$ref": "#/$defs/Node"}},
+        "$defs": {"Node": {"type": "object", "properties": {"up": {"$ref": "#"}}}}}}}
+    with pytest.raises(ValueError, match="refer to their own root"):
+        required_schema([hidden])
+    for broken in ([1], "Item"):
+        odd = {"type": "function", "function": {"name": "odd", "parameters": {
+            "type": "object", "$defs": broken}}}
+        with pytest.raises(ValueError, match=r"have \$defs that is not an object"):
+            required_schema([odd])
 
 
 def test_a_function_without_parameters_takes_no_arguments():
@@ -367,6 +377,12 @@ def test_required_calls_a_function_whose_parameters_have_definitions(server):
     ({"tool_choice": "sometimes"}, None, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None,
      "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array", "uniqueItems": True}}}], "tool_choice": "required"}, "tools",
+     "tools: 'f': the JSON schema's uniqueItems (at #) cannot be enforced"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": [1]}}}], "tool_choice": "required"}, "tools",
+     "have $defs that is not an object"),
     ({"messages": [{"role": "tool", "content": "x"}]}, None, "needs tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, None,
      "only assistant messages carry tool_calls"),

@@ -83,13 +83,15 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_LOGPROB_ENTRIES = 1 << 19
 
 
-def logprob_entries(num_prompt_tokens: int, max_tokens: int, params: SamplingParams) -> int:
-    """The logprob entries a prompt's request may return at most."""
+def logprob_entries(num_prompt_tokens: int, params: SamplingParams) -> int:
+    """The logprob entries a prompt's request may return at most, as far as it says: its
+    output's only where it gives max_tokens (without, it may run to max_model_len, and
+    OpenAI's and vLLM's clients expect it served)."""
     entries = 0
     if params.prompt_logprobs is not None:
         entries += num_prompt_tokens * (params.prompt_logprobs + 1)
-    if params.logprobs is not None:
-        entries += params.n * max_tokens * (params.logprobs + 1)
+    if params.logprobs is not None and params.max_tokens is not None:
+        entries += params.n * params.max_tokens * (params.logprobs + 1)
     return entries
 
 
@@ -737,8 +739,8 @@ class OpenAIServing:
             self.llm.engine.cache_salt({"cache_salt": request.cache_salt})
             entries = 0
             for _, token_ids in prompts:
-                max_tokens = self.llm.engine.validate_params(params, len(token_ids))
-                entries += logprob_entries(len(token_ids), max_tokens, params)
+                self.llm.engine.validate_params(params, len(token_ids))
+                entries += logprob_entries(len(token_ids), params)
             if entries > MAX_LOGPROB_ENTRIES:
                 raise ParamError("logprobs", f"this request could return {entries:,} logprobs "
                                  f"(prompt tokens x (prompt_logprobs + 1), and n x max_tokens "

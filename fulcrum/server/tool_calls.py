@@ -182,15 +182,20 @@ def required_schema(tools: Sequence[Dict[str, Any]], parallel: bool = True) -> D
     definitions: Dict[str, Dict[str, Any]] = {}
     calls = []
     for tool in tools:
+        name = tool["function"]["name"]
         parameters = dict(parameters_schema(tool))
+        _check_no_root_references(name, parameters)  # its definitions' included
         for key in _DEFINITIONS:
-            for name, schema in (parameters.pop(key, None) or {}).items():
-                if definitions.setdefault(key, {}).setdefault(name, schema) != schema:
-                    raise ValueError(f"tools define {key}/{name} differently; tool_choice "
+            found = parameters.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise ValueError(f"the parameters of {name!r} have {key} that is not an object "
+                                 "of named schemas")
+            for entry, schema in found.items():
+                if definitions.setdefault(key, {}).setdefault(entry, schema) != schema:
+                    raise ValueError(f"tools define {key}/{entry} differently; tool_choice "
                                      '"required" needs one definition of each name')
-        _check_no_root_references(tool["function"]["name"], parameters)
         calls.append({"type": "object",
-                      "properties": {"name": {"enum": [tool["function"]["name"]]},
+                      "properties": {"name": {"enum": [name]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"]})
     return {"type": "array", "minItems": 1, **limit, "items": {"anyOf": calls}, **definitions}
@@ -230,6 +235,11 @@ def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
     model gets to pad them with whitespace."""
     if choice is None:
         return None
+    for tool in tools:  # each on its own first, so that a refusal names the tool
+        try:
+            StructuredOutputsParams(json=parameters_schema(tool))
+        except ValueError as error:
+            raise ValueError(f"{tool['function']['name']!r}: {error}") from None
     if choice == "required":
         schema = required_schema(tools, parallel)
     else:
