@@ -799,3 +799,14 @@ def test_responses_built_off_the_event_loop_are_the_same(server, monkeypatch, ro
                         if k not in ("id", "created", "usage")})
     assert replies[0] == replies[1]
     assert replies[0]["choices"][2]["logprobs"]
+
+
+def test_the_logprob_bound_counts_what_a_request_says_it_may_return():
+    """Without max_tokens a request may run to max_model_len; counting all of it refused a
+    plain logprobs request on a 32k model (OpenAI and vLLM serve it)."""
+    from fulcrum.sampling_params import SamplingParams
+    from fulcrum.server.serving import logprob_entries
+
+    assert logprob_entries(10, SamplingParams(logprobs=20, max_tokens=None)) == 0
+    assert logprob_entries(10, SamplingParams(n=2, logprobs=20, max_tokens=5,
+                                              prompt_logprobs=1)) == 2 * 5 * 21 + 10 * 2
