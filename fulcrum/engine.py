@@ -259,7 +259,7 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt, keep=keep)
-        if isinstance(prompt, (list, tuple)) and any(is_token_id(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and (not prompt or any(map(is_token_id, prompt))):
             return None, token_id_list(prompt)  # which names a non-integer it holds
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")

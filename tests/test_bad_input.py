@@ -292,6 +292,11 @@ def test_generate_names_a_bad_priority_and_a_bad_token_id(llm):
                           (lambda: llm.generate([True, 1]), "got bool True")]:
         with pytest.raises(TypeError, match=message):
             call()
+    for empty in ([[]], [()]):  # an empty list of token ids is a prompt, and empty
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            llm.generate(empty)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.llm_engine.add_request("empty", [])
     assert not llm.llm_engine.has_unfinished_requests()
 
 

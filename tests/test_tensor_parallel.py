@@ -327,6 +327,35 @@ def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
         llm.llm_engine.shutdown()
 
 
+def test_a_second_ctrl_c_interrupts_a_stuck_step_and_stops_the_engine(model_dirs):
+    """A step waiting on a rank that hangs (up to the 60 s collective timeout) must still
+    yield to the user: the second Ctrl-C lands at once, and the ranks being out of step,
+    later calls fail at once rather than wait."""
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    runner = llm.llm_engine.executor.driver.runner
+    execute, calls = runner.execute, []
+
+    def interrupted_twice(output):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # as a stuck step would: the second one ends it
+        return execute(output)
+
+    runner.execute = interrupted_twice
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _generate(llm)
+        assert time.monotonic() - start < 4
+        runner.execute = execute
+        with pytest.raises(ExecutorError, match="stopped after a failure: KeyboardInterrupt"):
+            _generate(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_the_last_driver_to_unpin_gives_the_process_its_own_cores_back():
     """Two engines alive at once, shut down in the order they started: the second saved the
     first's pin as "the process's", and restoring it left the caller on one core."""

@@ -14,7 +14,7 @@ import signal
 import threading
 import weakref
 from abc import abstractmethod
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 from fulcrum.distributed.group import ParallelGroup
 from fulcrum.distributed.launch import DriverPin
@@ -107,19 +107,28 @@ def _interrupts_after_the_step() -> Iterator[None]:
     """Ctrl-C in the caller's main thread lands once the step is over, not inside it: an
     interrupt between the driver's collectives left the ranks a step apart, and the next
     call then waited 60 s for a collective no rank would reach (the engine was dead for
-    good, where one process recovers). A step is milliseconds to a second."""
+    good, where one process recovers). A step is milliseconds to a second; a second Ctrl-C
+    (a step stuck on a rank that hangs) interrupts it at once, and the engine stops."""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGINT) is None:  # a handler not set from Python
         yield
         return
-    received: List[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _: received.append(signum))
+    held: List[int] = []
+
+    def hold(signum: int, _: Any) -> None:
+        if held:
+            signal.signal(signal.SIGINT, previous)
+            held.clear()  # delivered now, not again after the step
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received:  # to whatever handles it now, as if it came now: after the step
-        signal.raise_signal(signal.SIGINT)
+        if held:  # to whatever handles it now, as if it came now: after the step
+            signal.raise_signal(signal.SIGINT)
 
 
 def describe_dead(ranks: List[str]) -> str:

@@ -40,7 +40,7 @@ from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
 from fulcrum.server.serving import (HEAVY_PROMPT_ITEMS, APIError, OpenAIServing, bad_request,
-                                    off_loop_if, overloaded)
+                                    overloaded)
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
                 continue_final_message=request.continue_final_message)
         else:
             try:
-                tokens = await off_loop_if(len(request.prompt) > HEAVY_PROMPT_ITEMS, partial(
+                tokens = await serving.off_loop_if(len(request.prompt) > HEAVY_PROMPT_ITEMS, partial(
                     llm.engine.encode, request.prompt, request.add_special_tokens))
             except ValueError as error:
                 raise bad_request(error) from None
@@ -226,7 +226,7 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
             bad = [t for t in tokens if not 0 <= t < vocab]
             raise bad_request(f"token id {bad[0]} is out of vocabulary (valid ids are "
                               f"0..{vocab - 1})")
-        text = await off_loop_if(len(request.tokens) > HEAVY_PROMPT_ITEMS, partial(
+        text = await serving.off_loop_if(len(request.tokens) > HEAVY_PROMPT_ITEMS, partial(
             llm.tokenizer.decode, request.tokens, request.skip_special_tokens))
         return DetokenizeResponse(prompt=text)
 

@@ -405,10 +405,6 @@ def _heavy(params: SamplingParams, prompt_items: int) -> bool:
     return params.structured_outputs is not None or prompt_items > HEAVY_PROMPT_ITEMS
 
 
-async def off_loop_if(heavy: bool, function: Callable[[], T]) -> T:
-    return await in_own_thread(function) if heavy else function()
-
-
 async def in_own_thread(function: Callable[[], T]) -> T:
     """`function()` on a thread of its own while the event loop serves on (other streams,
     /health): a chat template may take long (a trusted request's own template may loop for
@@ -439,7 +435,9 @@ async def in_own_thread(function: Callable[[], T]) -> T:
 
 # ------------------------------------------------------------------ serving
 ChunkMaker = Callable[[_Choice, _Delta], Optional[BaseModel]]  # None: nothing to send
-MAX_RENDERS = 8  # chat templates rendering at once (each on a thread of its own)
+# Work off the event loop at once, each on a thread of its own (chat templates rendering,
+# long prompts tokenizing, constraints parsing, large responses building); the rest waits.
+MAX_OFF_LOOP = 8
 
 
 def overloaded(error: QueueFullError) -> APIError:
@@ -470,7 +468,7 @@ class OpenAIServing:
         self.chat_template_content_format = chat_template_content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
-        self._renders = asyncio.Semaphore(MAX_RENDERS)
+        self._off_loop = asyncio.Semaphore(MAX_OFF_LOOP)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.model_names:
@@ -483,16 +481,16 @@ class OpenAIServing:
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
         if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
-        def prepare() -> List[EnginePrompt]:
+        def prepare() -> Tuple[List[EnginePrompt], _Generation]:
             prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
             self._check(prompts, params, request)
-            return prompts
+            return prompts, _Generation(prompts, request.n, request.echo,
+                                        None if request.logprobs is None else self.llm.tokenizer)
 
         given = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in given)
-        prompts = await off_loop_if(_heavy(params, size), prepare)
-        generation = _Generation(prompts, request.n, request.echo,
-                                 None if request.logprobs is None else self.llm.tokenizer)
+        heavy = _heavy(params, size) or (request.echo and request.logprobs is not None)
+        prompts, generation = await self.off_loop_if(heavy, prepare)  # echo: prompt offsets
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
@@ -563,7 +561,7 @@ class OpenAIServing:
                                   request.chat_template, request.chat_template_kwargs,
                                   request.tool_dicts, params.truncate_prompt_tokens,
                                   request.continue_final_message)
-        await off_loop_if(_heavy(params, 0), functools.partial(  # tokenized as rendered
+        await self.off_loop_if(_heavy(params, 0), functools.partial(  # tokenized as rendered
             self._check, [prompt], params, request))
         generation = _Generation([prompt], request.n)
         created = int(time.time())
@@ -679,6 +677,13 @@ class OpenAIServing:
         return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function,
                                          request.parallel_tool_calls is not False)
 
+    async def off_loop_if(self, heavy: bool, function: Callable[[], T]) -> T:
+        """`function()`, on a thread of its own where `heavy` (MAX_OFF_LOOP at once)."""
+        if not heavy:
+            return function()
+        async with self._off_loop:
+            return await in_own_thread(function)
+
     async def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
                           chat_template: Optional[str] = None,
                           template_kwargs: Optional[Dict[str, Any]] = None,
@@ -686,11 +691,10 @@ class OpenAIServing:
                           truncate: Optional[int] = None,
                           continue_final_message: bool = False) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template (its last
-        `truncate` tokens, if given), rendered off the event loop, MAX_RENDERS at once."""
-        async with self._renders:
-            return await in_own_thread(functools.partial(
-                self._render_chat, messages, add_generation_prompt, chat_template,
-                template_kwargs, tools, truncate, continue_final_message))
+        `truncate` tokens, if given), rendered off the event loop."""
+        return await self.off_loop_if(True, functools.partial(
+            self._render_chat, messages, add_generation_prompt, chat_template,
+            template_kwargs, tools, truncate, continue_final_message))
 
     def _render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool,
                      chat_template: Optional[str], template_kwargs: Optional[Dict[str, Any]],
@@ -791,7 +795,7 @@ class OpenAIServing:
             return final()
         # Built and written as JSON on a thread of its own: 64 choices of 1,000 tokens with 20
         # alternatives each held every other client up 1.8 s.
-        body = await in_own_thread(lambda: final().model_dump_json())
+        body = await self.off_loop_if(True, lambda: final().model_dump_json())
         return Response(body, media_type="application/json")
 
 
