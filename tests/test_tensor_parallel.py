@@ -298,62 +298,61 @@ def test_an_llm_dropped_without_shutdown_ends_its_ranks_and_unpins_the_caller(mo
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
 
 
-def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
-    """An interrupt between the driver's collectives left the ranks a step apart: the next
-    call waited 60 s, then the engine was dead for good (one process recovers)."""
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+@contextlib.contextmanager
+def _ctrl_c_in_step(model_dir, step: int, presses: int, stall_s: float = 0.0):
+    """(llm, steps run) at TP=2, with Ctrl-C pressed `presses` times while the driver runs
+    its `step`-th step (after the first call: a reference), the step then taking `stall_s`
+    more, as one stuck on a rank would."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **KW)
     runner = llm.llm_engine.executor.driver.runner
     execute, calls = runner.execute, []
 
-    def interrupted_midway(output):
+    def interrupted(output):
         calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, while the ranks work
+        if len(calls) == step:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(stall_s)
         return execute(output)
 
     try:
+        yield llm, calls, lambda: setattr(runner, "execute", interrupted), \
+            lambda: setattr(runner, "execute", execute)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
+    """An interrupt between the driver's collectives left the ranks a step apart: the next
+    call waited 60 s, then the engine was dead for good (one process recovers)."""
+    with _ctrl_c_in_step(model_dirs["llama"], step=3, presses=1) as (llm, calls, press, done):
         reference = _generate(llm)
-        runner.execute = interrupted_midway
+        press()
         with pytest.raises(KeyboardInterrupt):
             _generate(llm)
         assert len(calls) == 3  # it came after the step it arrived in, not inside it
-        runner.execute = execute
+        done()
         start = time.monotonic()
         again = _generate(llm)
         assert time.monotonic() - start < 30
         assert [o.outputs[0].token_ids for o in again] == \
             [o.outputs[0].token_ids for o in reference]
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_a_second_ctrl_c_interrupts_a_stuck_step_and_stops_the_engine(model_dirs):
     """A step waiting on a rank that hangs (up to the 60 s collective timeout) must still
     yield to the user: the second Ctrl-C lands at once, and the ranks being out of step,
     later calls fail at once rather than wait."""
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
-    runner = llm.llm_engine.executor.driver.runner
-    execute, calls = runner.execute, []
-
-    def interrupted_twice(output):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # as a stuck step would: the second one ends it
-        return execute(output)
-
-    runner.execute = interrupted_twice
-    try:
+    with _ctrl_c_in_step(model_dirs["llama"], step=2, presses=2, stall_s=5) as (
+            llm, _, press, done):
+        press()
         start = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             _generate(llm)
         assert time.monotonic() - start < 4
-        runner.execute = execute
+        done()
         with pytest.raises(ExecutorError, match="stopped after a failure: KeyboardInterrupt"):
             _generate(llm)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_the_last_driver_to_unpin_gives_the_process_its_own_cores_back():
