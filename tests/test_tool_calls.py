@@ -99,6 +99,7 @@ def test_mistral_reads_v11_calls_and_makes_ids_its_templates_take():
     named = ToolCallStream("named", MistralParser(), function="get_time").feed("{")
     for call_id in [d["id"] for d in deltas] + [named.tool_calls[0]["id"]]:
         assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id)
+    assert deltas[1]["id"] == "a1b2c3d4e"  # the model's own id, where it wrote one
 
 
 def test_required_schema_offers_every_function():

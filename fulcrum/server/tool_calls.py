@@ -41,6 +41,7 @@ def mistral_call_id() -> str:
 class ToolCall:
     name: str
     arguments: str  # a JSON object's text
+    id: Optional[str] = None  # the model's own, where its format has one
 
 
 def _call(name: Any, arguments: Any) -> ToolCall:
@@ -143,7 +144,7 @@ class MistralParser(ToolParser):
     skip_special_tokens = False
     new_call_id = staticmethod(mistral_call_id)
     # v11+: [TOOL_CALLS]name[ARGS]{...}, [CALL_ID]id before [ARGS] in some versions.
-    _named = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\](.*)", re.DOTALL)
+    _named = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\]([^\[]*))?\[ARGS\](.*)", re.DOTALL)
 
     def calls(self, text: str) -> List[ToolCall]:
         body = text[len(self.marker):]
@@ -158,8 +159,10 @@ class MistralParser(ToolParser):
         found = self._named.fullmatch(part)
         if found is None:
             raise ValueError("not a [TOOL_CALLS]name[ARGS]{...} call")
-        (arguments,) = _objects(found.group(2))
-        return _call(found.group(1), arguments)
+        (arguments,) = _objects(found.group(3))
+        call = _call(found.group(1), arguments)
+        call.id = (found.group(2) or "").strip() or None
+        return call
 
 
 PARSERS: Dict[str, Type[ToolParser]] = {
@@ -327,6 +330,6 @@ class ToolCallStream:
         return 0
 
     def _deltas(self, calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
-        return [{"index": i, "id": self.new_call_id(), "type": "function",
+        return [{"index": i, "id": call.id or self.new_call_id(), "type": "function",
                  "function": {"name": call.name, "arguments": call.arguments}}
                 for i, call in enumerate(calls)]
