@@ -174,7 +174,8 @@ def test_schemas_the_grammar_enforces_are_taken(llm, schema):
 
 def test_length_bounded_strings_are_json_strings(llm):
     """xgrammar 0.2.9 wrote a string with minLength/maxLength as characters that include raw
-    control characters (no JSON) and no escapes; 6 of 8 random answers were no JSON."""
+    control characters (no JSON); 6 of 8 random answers were no JSON. Escapes stay out (they
+    made each token cost hundreds of milliseconds to match)."""
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3,
                                                      "maxLength": 6}}, "required": ["s"]}
     outputs = llm.generate(["x"] * 8, [constrained(seed, json=schema, max_tokens=40)
@@ -185,7 +186,7 @@ def test_length_bounded_strings_are_json_strings(llm):
         assert 3 <= len(json.loads(text)["s"]) <= 6, text
     grammar = structured_output._parse(StructuredOutputsParams(json=schema))
     accepts = functools.partial(xgrammar.testing._is_grammar_accept_string, grammar)
-    assert accepts('{"s": "a\\"b\\u00e9"}')  # an escape is one character
+    assert accepts('{"s": "ab\u00e9"}') and accepts('{"s": "a b"}')
     assert not accepts('{"s": "a\tbc"}') and not accepts('{"s": "abcdefg"}')
 
 
