@@ -75,8 +75,7 @@ class LLM:
         `slo_ttft_ms` / `slo_tpot_ms` set the latency targets of every prompt (overriding
         those of its SamplingParams). `lora_request` is vLLM's; fulcrum serves no adapters,
         so only None is accepted."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: fulcrum serves no LoRA adapters")
+        _check_no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         targets = {k: v for k, v in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms))
@@ -135,14 +134,17 @@ class LLM:
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None,
              continue_final_message: bool = False,
-             chat_template_content_format: str = "auto") -> List[RequestOutput]:
+             chat_template_content_format: str = "auto",
+             lora_request: None = None) -> List[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them;
         `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`), and so do
         `tools` (OpenAI's function definitions, as vLLM's `LLM.chat` takes them).
         `continue_final_message`: the last message stays open and the answer continues it
         (with add_generation_prompt=False, as in vLLM). `chat_template_content_format`
         (vLLM's): how the template reads message content, "string" (text parts joined),
-        "openai" (a list of parts) or "auto" (as its loops show)."""
+        "openai" (a list of parts) or "auto" (as its loops show). `lora_request`: as in
+        `generate`, only None."""
+        _check_no_lora(lora_request)
         check_content_format(chat_template_content_format)
         _check_chat_options(chat_template, chat_template_kwargs, add_generation_prompt,
                             continue_final_message)
@@ -215,6 +217,11 @@ class LLM:
         preempted = engine.scheduler.stats().num_preempted_waiting
         self._metrics.record(StepReport([], engine.last_step_stats, preempted, now))
         self._metrics.record(StepReport(outputs, None, preempted, now), cumulative=True)
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: fulcrum serves no LoRA adapters")
 
 
 def _as_conversations(messages: Any) -> List[Sequence[Any]]:

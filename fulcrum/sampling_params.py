@@ -9,6 +9,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+import numpy as np
+
 from fulcrum.tokenizer import lone_surrogate_at
 
 _GREEDY_EPS = 1e-5
@@ -27,6 +29,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
 
@@ -327,10 +330,13 @@ class SamplingParams:
         self._verify_token_controls()
 
     def _as_python_numbers(self) -> None:
-        """numpy's integers and floats (an evaluation script's seeds and settings) as
-        Python's; bools stay bools, for the checks to refuse."""
+        """numpy's integers, floats and bools (an evaluation script's seeds and settings) as
+        Python's; a bool given for a number stays a bool, for the checks to refuse."""
         for name in (*_INT_FIELDS, *_FLOAT_FIELDS, "slo_ttft_ms", "slo_tpot_ms"):
             setattr(self, name, _python_number(getattr(self, name)))
+        for name in _BOOL_FIELDS:  # numpy's bools as Python's (no other value)
+            if isinstance(getattr(self, name), np.bool_):
+                setattr(self, name, bool(getattr(self, name)))
         for name in ("stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
@@ -350,7 +356,7 @@ class SamplingParams:
                 fail(name, "must be a finite number")
         if not is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False")
         if not isinstance(self.output_kind, RequestOutputKind):

@@ -644,7 +644,8 @@ def test_top_k_beyond_the_vocabulary_means_no_cap(llm):
 
 def test_numpy_numbers_are_taken_as_pythons():
     """An evaluation script's seeds and settings often come from numpy: np.int64(3) was
-    refused as "not an integer", np.float32(0.5) as "not a finite number"."""
+    refused as "not an integer", np.float32(0.5) as "not a finite number"; np.bool_ for a
+    switch is a bool (but not a number)."""
     import numpy as np
 
     params = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), seed=np.int32(3),
@@ -653,6 +654,7 @@ def test_numpy_numbers_are_taken_as_pythons():
     assert (params.n, params.temperature, params.seed, params.max_tokens) == (2, 0.5, 3, 9)
     assert params.stop_token_ids == [5] and params.logit_bias == {7: 1.5}
     assert all(type(v) is int for v in (params.n, params.seed, params.max_tokens))
+    assert SamplingParams(ignore_eos=np.bool_(True)).ignore_eos is True
     with pytest.raises(ValueError, match="n must be an integer"):
         SamplingParams(n=np.bool_(True))
     with pytest.raises(ValueError, match="top_k must be a non-negative integer"):

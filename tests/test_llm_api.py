@@ -437,9 +437,11 @@ def test_chat_names_what_is_wrong_with_its_arguments(llm, messages, kwargs, kind
 
 
 def test_chat_takes_a_conversation_from_any_iterable(llm):
-    (listed,) = llm.chat([USER], greedy(1), use_tqdm=False)
+    (listed,) = llm.chat([USER], greedy(1), use_tqdm=False, lora_request=None)
     (generated,) = llm.chat((m for m in [USER]), greedy(1), use_tqdm=False)
     assert generated.prompt == listed.prompt
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.chat([USER], greedy(1), use_tqdm=False, lora_request=object())
 
 
 @pytest.mark.parametrize("prompts", [None, 5, 2.5])
