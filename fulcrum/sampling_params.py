@@ -29,6 +29,8 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+# The positive float32 range: a repetition penalty divides (or multiplies) float32 logits.
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
@@ -373,8 +375,8 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
-            fail("repetition_penalty", "must be greater than zero")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            fail("repetition_penalty", "must be greater than zero, within float32's range")
         if self.max_tokens is not None and (not is_int(self.max_tokens)
                                             or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1")

@@ -136,6 +136,9 @@ BAD_PARAMS = [
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(top_p=float("nan")), "top_p must be a finite number"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    # 1e-300 is 0 in float32: the request failed at its first step with no token to sample.
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be greater than zero, within"),
+    (dict(repetition_penalty=1e300), "within float32's range"),
     (dict(presence_penalty=float("-inf")), "presence_penalty must be a finite number"),
     (dict(seed=2 ** 63), "seed must be an integer in"),
     (dict(seed=-(2 ** 63) - 1), "seed must be an integer in"),
