@@ -3,7 +3,7 @@ requests and `LLM.chat`'s conversations, and turned into what chat templates rea
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -154,6 +154,8 @@ def template_conversation(messages: Sequence[Any], content_format: str) -> List[
 
 def _template_message(message: Any, where: str, content_format: str) -> Dict[str, Any]:
     checked = _checked(ChatMessage, message, where).template_dict(content_format)
+    if not isinstance(message, Mapping):  # a ChatMessage itself
+        return checked
     return {**{key: value for key, value in message.items()
                if key not in ChatMessage.model_fields}, **checked}
 

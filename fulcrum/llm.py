@@ -230,7 +230,9 @@ def _as_conversations(messages: Any) -> List[Sequence[Any]]:
         raise TypeError("messages must be a conversation (a list of message dicts) or a list "
                         f"of conversations, got {type(messages).__name__}")
     messages = list(messages)
-    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    # One conversation unless it is a list of lists (of message dicts, or the server's models).
+    one = messages and not isinstance(messages[0], (list, tuple))
+    conversations = [messages] if one else messages
     if not conversations or not all(isinstance(c, (list, tuple)) and c for c in conversations):
         raise ValueError("LLM.chat needs conversations of at least one message (each a list "
                          "of message dicts)")

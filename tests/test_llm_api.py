@@ -436,6 +436,14 @@ def test_chat_names_what_is_wrong_with_its_arguments(llm, messages, kwargs, kind
         llm.chat(messages, greedy(1), use_tqdm=False, **kwargs)
 
 
+def test_chat_takes_the_servers_message_objects(llm):
+    from fulcrum.chat_messages import ChatMessage
+
+    (as_dicts,) = llm.chat([USER], greedy(1), use_tqdm=False)
+    (as_models,) = llm.chat([ChatMessage(**USER)], greedy(1), use_tqdm=False)
+    assert as_models.prompt == as_dicts.prompt
+
+
 def test_chat_takes_a_conversation_from_any_iterable(llm):
     (listed,) = llm.chat([USER], greedy(1), use_tqdm=False, lora_request=None)
     (generated,) = llm.chat((m for m in [USER]), greedy(1), use_tqdm=False)

@@ -306,6 +306,14 @@ def completion(llm: LLM, prompt, **params):
     return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
 
 
+def test_a_tiny_repetition_penalty_leaves_a_token_to_sample(llm):
+    """12 / 2e-38 is past float32's range: +inf logits left no token to sample (finish
+    "error"); they are the largest finite value instead."""
+    output = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=4, ignore_eos=True,
+                        repetition_penalty=2e-38)
+    assert output.finish_reason == "length" and len(output.token_ids) == 4
+
+
 def test_seed_reproducible_across_batch_compositions(llm):
     params = SamplingParams(temperature=1.0, seed=2024, max_tokens=20, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids

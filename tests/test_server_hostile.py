@@ -801,6 +801,22 @@ def test_responses_built_off_the_event_loop_are_the_same(server, monkeypatch, ro
     assert replies[0]["choices"][2]["logprobs"]
 
 
+def test_without_max_tokens_the_logprob_bound_caps_the_output():
+    """A request asking for logprobs without max_tokens may run to max_model_len: its
+    max_tokens becomes what the bound leaves (n=128 with 20 alternatives on a 32k model
+    could have returned 88 million), and one that fits is left alone."""
+    from fulcrum.sampling_params import SamplingParams
+    from fulcrum.server.serving import MAX_LOGPROB_ENTRIES, within_logprob_bound
+
+    wide = SamplingParams(n=128, logprobs=20, max_tokens=None)
+    capped = within_logprob_bound([100, 200], wide, 32768)
+    assert capped.max_tokens == MAX_LOGPROB_ENTRIES // (2 * 128 * 21)
+    narrow = SamplingParams(logprobs=0, max_tokens=None)
+    assert within_logprob_bound([100], narrow, 32768) is narrow
+    given = SamplingParams(n=128, logprobs=20, max_tokens=50_000)
+    assert within_logprob_bound([100], given, 32768) is given  # refused later, as asked
+
+
 def test_the_logprob_bound_counts_what_a_request_says_it_may_return():
     """Without max_tokens a request may run to max_model_len; counting all of it refused a
     plain logprobs request on a 32k model (OpenAI and vLLM serve it)."""

@@ -355,6 +355,29 @@ def test_a_second_ctrl_c_interrupts_a_stuck_step_and_stops_the_engine(model_dirs
             _generate(llm)
 
 
+def test_a_held_ctrl_c_goes_to_the_callers_own_handler_and_an_ignored_one_stays_ignored():
+    from fulcrum.executor.parallel import _interrupts_after_the_step
+
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: calls.append(signum))
+    try:
+        with _interrupts_after_the_step():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert calls == []  # held through the step
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert calls == [signal.SIGINT] * 2  # a second one: both, at once
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with _interrupts_after_the_step():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert calls == [signal.SIGINT] * 2 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_the_last_driver_to_unpin_gives_the_process_its_own_cores_back():
     """Two engines alive at once, shut down in the order they started: the second saved the
     first's pin as "the process's", and restoring it left the caller on one core."""

@@ -265,6 +265,18 @@ def test_named_tool_choice_is_a_valid_call_of_that_function(server):
     assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
 
 
+def test_a_named_choice_is_checked_against_its_own_function_alone(server):
+    """Another tool's schema that cannot be enforced (pydantic's Set: uniqueItems) does not
+    matter when it is not the one named; under "required" it does, named in the 400."""
+    tags = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}
+    named = post(server, tools=[WEATHER, tags], messages=HISTORY,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.status_code == 200, named.text
+    required = post(server, tools=[WEATHER, tags], tool_choice="required")
+    assert required.status_code == 400 and "'tag': the JSON schema's uniqueItems" in required.text
+
+
 def test_required_tool_choice_calls_functions_from_the_list(server):
     for seed in range(3):
         choice = post(server, tool_choice="required", seed=seed).json()["choices"][0]

@@ -108,19 +108,25 @@ def _interrupts_after_the_step() -> Iterator[None]:
     interrupt between the driver's collectives left the ranks a step apart, and the next
     call then waited 60 s for a collective no rank would reach (the engine was dead for
     good, where one process recovers). A step is milliseconds to a second; a second Ctrl-C
-    (a step stuck on a rank that hangs) interrupts it at once, and the engine stops."""
+    (a step stuck on a rank that hangs) goes to the caller's handler at once: Python's
+    default interrupts the step, and the engine stops. Where SIGINT is ignored, nothing
+    changes."""
     if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is None:  # a handler not set from Python
+            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN):  # nothing to hold
         yield
         return
     held: List[int] = []
 
-    def hold(signum: int, _: Any) -> None:
-        if held:
-            signal.signal(signal.SIGINT, previous)
-            held.clear()  # delivered now, not again after the step
+    def hold(signum: int, frame: Any) -> None:
+        if not held:
+            held.append(signum)
+            return
+        signal.signal(signal.SIGINT, previous)
+        count, held[:] = len(held) + 1, []  # delivered now, not again after the step
+        if not callable(previous):  # SIG_DFL would end the process: stop the step at least
             raise KeyboardInterrupt
-        held.append(signum)
+        for _ in range(count):  # to the caller's handler, the held one first
+            previous(signum, frame)
 
     previous = signal.signal(signal.SIGINT, hold)
     try:

@@ -83,6 +83,23 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_LOGPROB_ENTRIES = 1 << 19
 
 
+def within_logprob_bound(prompt_lengths: Sequence[int], params: SamplingParams,
+                         max_model_len: int) -> SamplingParams:
+    """A request that asks for logprobs and gives no max_tokens may run to max_model_len:
+    where that could pass MAX_LOGPROB_ENTRIES, its max_tokens is as many as the bound leaves
+    (a server's cap, as OpenAI's models have one: finish_reason "length" says it was met).
+    One that gives max_tokens is held to it, and refused past the bound."""
+    if params.logprobs is None or params.max_tokens is not None or not prompt_lengths:
+        return params
+    prompt_entries = sum(logprob_entries(length, params) for length in prompt_lengths)
+    per_token = len(prompt_lengths) * params.n * (params.logprobs + 1)
+    room = max_model_len - min(prompt_lengths)
+    if prompt_entries + per_token * room <= MAX_LOGPROB_ENTRIES:
+        return params
+    cap = max(1, (MAX_LOGPROB_ENTRIES - prompt_entries) // per_token)
+    return dataclasses.replace(params, max_tokens=cap)
+
+
 def logprob_entries(num_prompt_tokens: int, params: SamplingParams) -> int:
     """The logprob entries a prompt's request may return at most, as far as it says: its
     output's only where it gives max_tokens (without, it may run to max_model_len, and
@@ -435,8 +452,10 @@ async def in_own_thread(function: Callable[[], T]) -> T:
 
 # ------------------------------------------------------------------ serving
 ChunkMaker = Callable[[_Choice, _Delta], Optional[BaseModel]]  # None: nothing to send
-# Work off the event loop at once, each on a thread of its own (chat templates rendering,
-# long prompts tokenizing, constraints parsing, large responses building); the rest waits.
+# Chat templates rendering at once, each on a thread of its own; and so, apart from them (a
+# trusted request's template may run for hours), long prompts tokenizing, constraints and
+# tools' schemas being checked, large responses being built. The rest waits.
+MAX_RENDERS = 8
 MAX_OFF_LOOP = 8
 
 
@@ -468,6 +487,7 @@ class OpenAIServing:
         self.chat_template_content_format = chat_template_content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.log_requests = log_requests
+        self._renders = asyncio.Semaphore(MAX_RENDERS)
         self._off_loop = asyncio.Semaphore(MAX_OFF_LOOP)
 
     def check_model(self, model: Optional[str]) -> None:
@@ -481,16 +501,16 @@ class OpenAIServing:
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
         if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
-        def prepare() -> Tuple[List[EnginePrompt], _Generation]:
+        def prepare() -> Tuple[List[EnginePrompt], SamplingParams, _Generation]:
             prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
-            self._check(prompts, params, request)
-            return prompts, _Generation(prompts, request.n, request.echo,
-                                        None if request.logprobs is None else self.llm.tokenizer)
+            return prompts, self._check(prompts, params, request), _Generation(
+                prompts, request.n, request.echo,
+                None if request.logprobs is None else self.llm.tokenizer)
 
         given = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in given)
         heavy = _heavy(params, size) or (request.echo and request.logprobs is not None)
-        prompts, generation = await self.off_loop_if(heavy, prepare)  # echo: prompt offsets
+        prompts, params, generation = await self.off_loop_if(heavy, prepare)  # (echo: offsets)
         created = int(time.time())
 
         def response(choices: List[CompletionChoice], usage: Optional[UsageInfo]):
@@ -553,7 +573,8 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be at most {limit} (max_logprobs), got "
                                 f"{request.top_logprobs}", "top_logprobs")
         params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
-        params = self._tool_params(request, params)
+        params = await self.off_loop_if(request.tool_mode in ("required", "named"),
+                                        functools.partial(self._tool_params, request, params))
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: start the server with "
                                 "--trust-request-chat-template to allow it", "chat_template")
@@ -561,7 +582,7 @@ class OpenAIServing:
                                   request.chat_template, request.chat_template_kwargs,
                                   request.tool_dicts, params.truncate_prompt_tokens,
                                   request.continue_final_message)
-        await self.off_loop_if(_heavy(params, 0), functools.partial(  # tokenized as rendered
+        params = await self.off_loop_if(_heavy(params, 0), functools.partial(  # (tokenized)
             self._check, [prompt], params, request))
         generation = _Generation([prompt], request.n)
         created = int(time.time())
@@ -677,11 +698,13 @@ class OpenAIServing:
         return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function,
                                          request.parallel_tool_calls is not False)
 
-    async def off_loop_if(self, heavy: bool, function: Callable[[], T]) -> T:
-        """`function()`, on a thread of its own where `heavy` (MAX_OFF_LOOP at once)."""
+    async def off_loop_if(self, heavy: bool, function: Callable[[], T],
+                          slots: Optional[asyncio.Semaphore] = None) -> T:
+        """`function()`, on a thread of its own where `heavy`, as many at once as `slots`
+        (MAX_OFF_LOOP's unless given) allow."""
         if not heavy:
             return function()
-        async with self._off_loop:
+        async with slots or self._off_loop:
             return await in_own_thread(function)
 
     async def render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool = True,
@@ -691,10 +714,10 @@ class OpenAIServing:
                           truncate: Optional[int] = None,
                           continue_final_message: bool = False) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template (its last
-        `truncate` tokens, if given), rendered off the event loop."""
+        `truncate` tokens, if given), rendered off the event loop, MAX_RENDERS at once."""
         return await self.off_loop_if(True, functools.partial(
             self._render_chat, messages, add_generation_prompt, chat_template,
-            template_kwargs, tools, truncate, continue_final_message))
+            template_kwargs, tools, truncate, continue_final_message), self._renders)
 
     def _render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool,
                      chat_template: Optional[str], template_kwargs: Optional[Dict[str, Any]],
@@ -737,10 +760,13 @@ class OpenAIServing:
             raise bad_request(error) from None
 
     def _check(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
-               request: SamplingRequest) -> None:
-        """Refuse the whole request before any of it streams or reaches the engine."""
+               request: SamplingRequest) -> SamplingParams:
+        """Refuse the whole request before any of it streams or reaches the engine; return
+        its parameters as it will run (see `within_logprob_bound`)."""
         try:
             self.llm.engine.cache_salt({"cache_salt": request.cache_salt})
+            params = within_logprob_bound([len(ids) for _, ids in prompts], params,
+                                          self.llm.config.max_model_len)
             entries = 0
             for _, token_ids in prompts:
                 self.llm.engine.validate_params(params, len(token_ids))
@@ -755,6 +781,7 @@ class OpenAIServing:
             raise bad_request(error) from None
         except QueueFullError as error:
             raise overloaded(error) from None
+        return params
 
     def _generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams,
                   request_id: str, request: SamplingRequest,

@@ -238,16 +238,19 @@ def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
     model gets to pad them with whitespace."""
     if choice is None:
         return None
+    if choice != "required":
+        tool = next(t for t in tools if t["function"]["name"] == choice)
+        return _checked(choice, parameters_schema(tool))
     for tool in tools:  # each on its own first, so that a refusal names the tool
-        try:
-            StructuredOutputsParams(json=parameters_schema(tool))
-        except ValueError as error:
-            raise ValueError(f"{tool['function']['name']!r}: {error}") from None
-    if choice == "required":
-        schema = required_schema(tools, parallel)
-    else:
-        schema = parameters_schema(next(t for t in tools if t["function"]["name"] == choice))
-    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        _checked(tool["function"]["name"], parameters_schema(tool))
+    return _checked("required", required_schema(tools, parallel))
+
+
+def _checked(name: str, schema: Dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    except ValueError as error:
+        raise ValueError(f"{name!r}: {error}") from None
 
 
 def required_calls(text: str) -> List[ToolCall]:

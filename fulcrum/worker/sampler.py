@@ -147,10 +147,13 @@ class Sampler:
                                       dtype=torch.long, device=logits.device)
                 seen[prompt] = True
                 value = logits[i]
-                logits[i] = torch.where(seen, torch.where(value > 0,
-                                                          value / params.repetition_penalty,
-                                                          value * params.repetition_penalty),
-                                        value)
+                penalised = torch.where(value > 0, value / params.repetition_penalty,
+                                        value * params.repetition_penalty)
+                # A tiny penalty may push a logit past float32's range: the largest finite one
+                # instead (+inf left no token to sample); masked tokens stay at -inf.
+                penalised = torch.nan_to_num(penalised, posinf=torch.finfo(value.dtype).max,
+                                             neginf=float("-inf"))
+                logits[i] = torch.where(seen, penalised, value)
             logits[i] -= params.frequency_penalty * counts
             logits[i] -= params.presence_penalty * (counts > 0).float()
         return logits
