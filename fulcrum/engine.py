@@ -347,6 +347,11 @@ class LLMEngine:
                                        f"(max_logprobs), got {value}")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             self._check_token_ids(name, f"{name}: token id", getattr(params, name) or ())
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > config.max_model_len:  # vLLM's check and words
+            raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) "
+                             f"is greater than max_model_len ({config.max_model_len}); select "
+                             "a smaller truncation size")
         if params.structured_outputs is not None:
             self.grammar_compiler.parse(params.structured_outputs)
         limit = config.max_model_len

@@ -645,6 +645,16 @@ def test_top_k_beyond_the_vocabulary_means_no_cap(llm):
     assert sample(10 ** 30) == sample(VOCAB) == sample(0)
 
 
+def test_a_truncation_longer_than_the_model_is_refused(llm):
+    """As vLLM refuses it: keeping more tokens than max_model_len keeps nothing out."""
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens value \\(10000\\) is greater "
+                                         f"than max_model_len \\({MAX_LEN}\\)"):
+        llm.generate("hi", SamplingParams(max_tokens=1, truncate_prompt_tokens=10_000))
+    (kept,) = llm.generate("hi", SamplingParams(max_tokens=1, truncate_prompt_tokens=MAX_LEN - 1),
+                           use_tqdm=False)
+    assert len(kept.outputs[0].token_ids) == 1
+
+
 def test_numpy_numbers_are_taken_as_pythons():
     """An evaluation script's seeds and settings often come from numpy: np.int64(3) was
     refused as "not an integer", np.float32(0.5) as "not a finite number"; np.bool_ for a
