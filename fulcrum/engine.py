@@ -18,6 +18,7 @@ import time
 from typing import (TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional,
                     Sequence, Union)
 
+import numpy as np
 import torch
 
 from fulcrum.core.block_manager import BlockManager
@@ -259,6 +260,8 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt, keep=keep)
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:  # numpy's token ids
+            prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)) and (not prompt or any(map(is_token_id, prompt))):
             return None, token_id_list(prompt)  # which names a non-integer it holds
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, "

@@ -655,6 +655,21 @@ def test_a_truncation_longer_than_the_model_is_refused(llm):
     assert len(kept.outputs[0].token_ids) == 1
 
 
+def test_numpy_arrays_of_token_ids_are_prompts(llm):
+    """A 2-D batch ("got ndarray" before) and a 1-D array given to the engine directly."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    batch = llm.generate(np.array([[1, 2, 3], [4, 5, 6]]), params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in batch] == [[1, 2, 3], [4, 5, 6]]
+    (listed,) = llm.generate(ids(4, 5, 6), params, use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == listed.outputs[0].token_ids
+    engine = llm.llm_engine
+    engine.add_request("array", np.array([1, 2, 3]), params)
+    _, final = run_to_completion(engine)
+    assert final["array"].prompt_token_ids == [1, 2, 3]
+
+
 def test_numpy_numbers_are_taken_as_pythons():
     """An evaluation script's seeds and settings often come from numpy: np.int64(3) was
     refused as "not an integer", np.float32(0.5) as "not a finite number"; np.bool_ for a
