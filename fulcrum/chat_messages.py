@@ -11,9 +11,8 @@ from fulcrum.chat_template import CHAT_ROLES, template_message
 
 
 # The most messages, and content parts and tool calls in all, one conversation may have:
-# each is checked
-# and converted in Python, on the server's event loop (300,000 parts held every client up
-# for 2.5 s); no real conversation comes near.
+# each is checked and converted in Python, on the server's event loop (300,000 parts held
+# every client up for 2.5 s); no real conversation comes near.
 MAX_MESSAGES = 10_000
 MAX_CONTENT_PARTS = 10_000
 

@@ -236,8 +236,8 @@ class LLMEngine:
                 refused[chunk.request_id] = (f"token {token} is not allowed by the request's "
                                              "structured-output grammar")
                 del sampled[chunk.request_id]
-            elif row.grammar.too_costly:
-                refused[chunk.request_id] = RequestFault(row.grammar.too_costly)
+            elif (costly := row.grammar.too_costly) is not None:
+                refused[chunk.request_id] = RequestFault(costly)
                 del sampled[chunk.request_id]
         return refused
 
@@ -324,9 +324,10 @@ class LLMEngine:
         if len(token_ids) > limit:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, more than the maximum "
                              f"model length of {limit} tokens")
-        self._check_token_ids("prompt", "prompt token id", token_ids)
+        self.check_token_ids("prompt", "prompt token id", token_ids)
 
-    def _check_token_ids(self, param: str, what: str, token_ids: Iterable[int]) -> None:
+    def check_token_ids(self, param: str, what: str, token_ids: Iterable[int]) -> None:
+        """ParamError naming the first of `token_ids` outside the vocabulary."""
         token_ids = list(token_ids)
         if _all_ints(token_ids) and (not token_ids or (
                 min(token_ids) >= 0 and max(token_ids) < self.vocab_size)):
@@ -349,7 +350,7 @@ class LLMEngine:
                 raise ParamError(name, f"{name} must be at most {config.max_logprobs} "
                                        f"(max_logprobs), got {value}")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            self._check_token_ids(name, f"{name}: token id", getattr(params, name) or ())
+            self.check_token_ids(name, f"{name}: token id", getattr(params, name) or ())
         keep = params.truncate_prompt_tokens
         if keep is not None and keep > config.max_model_len:  # vLLM's check and words
             raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) "

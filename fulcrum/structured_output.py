@@ -30,8 +30,9 @@ from fulcrum.tokenizer import Tokenizer
 MAX_CACHED_GRAMMARS = 256
 # What a request's grammar may take from the steps it shares with every request in the
 # batch (masking its row, accepting its token: its thread's CPU time, not waits for the GIL
-# or the OS), on average a token after a grace for its first ones. An ambiguous grammar grows slower token by token (208 ms a token by its 322nd
-# here, for every request in the batch); a typical one takes well under a millisecond.
+# or the OS), on average a token after a grace for its first ones. An ambiguous grammar
+# grows slower token by token (208 ms a token by its 322nd here, for every request in the
+# batch); a typical one takes well under a millisecond.
 GRAMMAR_SECONDS_PER_TOKEN = 0.01
 GRAMMAR_GRACE_SECONDS = 0.5
 # xgrammar's errors start with a timestamp and its source file: "[12:00:00] /x/y.cc:42: ".

@@ -210,8 +210,9 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
                 continue_final_message=request.continue_final_message)
         else:
             try:
-                tokens = await serving.off_loop_if(len(request.prompt) > HEAVY_PROMPT_ITEMS, partial(
-                    llm.engine.encode, request.prompt, request.add_special_tokens))
+                tokens = await serving.off_loop_if(
+                    len(request.prompt) > HEAVY_PROMPT_ITEMS,
+                    partial(llm.engine.encode, request.prompt, request.add_special_tokens))
             except ValueError as error:
                 raise bad_request(error) from None
         return TokenizeResponse(count=len(tokens), max_model_len=llm.config.max_model_len,
@@ -220,14 +221,13 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(request.model)
-        vocab = llm.engine.vocab_size
         tokens = request.tokens
-        if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            raise bad_request(f"token id {bad[0]} is out of vocabulary (valid ids are "
-                              f"0..{vocab - 1})")
-        text = await serving.off_loop_if(len(request.tokens) > HEAVY_PROMPT_ITEMS, partial(
-            llm.tokenizer.decode, request.tokens, request.skip_special_tokens))
+        try:
+            llm.engine.check_token_ids("tokens", "token id", tokens)
+        except ValueError as error:
+            raise bad_request(error) from None
+        text = await serving.off_loop_if(len(tokens) > HEAVY_PROMPT_ITEMS, partial(
+            llm.tokenizer.decode, tokens, request.skip_special_tokens))
         return DetokenizeResponse(prompt=text)
 
     return router

@@ -102,8 +102,8 @@ def within_logprob_bound(prompt_lengths: Sequence[int], params: SamplingParams,
 
 def logprob_entries(num_prompt_tokens: int, params: SamplingParams) -> int:
     """The logprob entries a prompt's request may return at most, as far as it says: its
-    output's only where it gives max_tokens (without, it may run to max_model_len, and
-    OpenAI's and vLLM's clients expect it served)."""
+    output's only where it gives max_tokens (`within_logprob_bound` gives one that has
+    none its max_tokens where the bound needs one)."""
     entries = 0
     if params.prompt_logprobs is not None:
         entries += num_prompt_tokens * (params.prompt_logprobs + 1)
