@@ -22,15 +22,15 @@ def test_alternate_reverses_the_order_every_other_turn_and_drops_the_warm_up():
 
 @pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
 def test_sources_at_takes_the_source_and_every_header_of_that_revision(tmp_path):
-    sources_at("HEAD", "argmax.cpp", tmp_path)
+    sources_at("HEAD", "sampling.cpp", tmp_path)
     names = sorted(path.name for path in tmp_path.iterdir())
     listed = subprocess.run(["git", "ls-tree", "--name-only", "HEAD", "fulcrum/kernels/"],
                             cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
     headers = [name.rsplit("/", 1)[1] for name in listed if name.endswith(".h")]
-    assert headers and names == sorted(["argmax.cpp", *headers])
-    committed = subprocess.run(["git", "show", "HEAD:fulcrum/kernels/argmax.cpp"], cwd=REPO,
+    assert headers and names == sorted(["sampling.cpp", *headers])
+    committed = subprocess.run(["git", "show", "HEAD:fulcrum/kernels/sampling.cpp"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout
-    assert (tmp_path / "argmax.cpp").read_text() == committed
+    assert (tmp_path / "sampling.cpp").read_text() == committed
     assert short_revision("HEAD") == subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True, capture_output=True,
         text=True).stdout.strip()
@@ -38,7 +38,7 @@ def test_sources_at_takes_the_source_and_every_header_of_that_revision(tmp_path)
 
 @pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
 def test_build_compiles_and_loads_a_kernel_that_runs(tmp_path):
-    library = build(kernels.KERNEL_DIR, "argmax.cpp", tmp_path / "argmax.so")
+    library = build(kernels.KERNEL_DIR, "sampling.cpp", tmp_path / "sampling.so")
     function = library.fulcrum_argmax_f32
     function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                          ctypes.c_void_p, ctypes.c_int]
@@ -51,8 +51,8 @@ def test_build_compiles_and_loads_a_kernel_that_runs(tmp_path):
 @pytest.mark.skipif(kernels.compiler() is None or not (REPO / ".git").exists(),
                     reason="no C++ compiler, or not a git checkout")
 def test_builds_gives_the_revision_and_the_working_tree_side_by_side(tmp_path):
-    libraries = builds("HEAD", "argmax.cpp", tmp_path)
+    libraries = builds("HEAD", "sampling.cpp", tmp_path)
     assert sorted(libraries) == ["base", "new"]
-    assert (tmp_path / "base" / "argmax.cpp").is_file()
+    assert (tmp_path / "base" / "sampling.cpp").is_file()
     assert (tmp_path / "base.so").is_file() and (tmp_path / "new.so").is_file()
     assert libraries["base"]._name != libraries["new"]._name

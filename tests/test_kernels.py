@@ -397,7 +397,7 @@ def test_write_kv_bf16_stores_each_slot_in_the_pair_layout(tokens):
     assert int((keys != 0).any(-1).any(-1).sum()) == len(slots)  # nothing else written
 
 
-@pytest.mark.skipif(kernels._argmax_library() is None, reason="no C++ compiler")
+@pytest.mark.skipif(kernels._sampling_library() is None, reason="no C++ compiler")
 @pytest.mark.parametrize("rows,vocab", [(2, 49152), (7, 1000), (64, 4099), (3, 1)])
 def test_argmax_matches_torch_on_random_rows_ties_and_strided_rows(rows, vocab):
     generator = torch.Generator().manual_seed(rows * vocab)
@@ -410,7 +410,7 @@ def test_argmax_matches_torch_on_random_rows_ties_and_strided_rows(rows, vocab):
     assert torch.equal(kernels.argmax(logits[1:2]), got[1:2])  # one row: no threads
 
 
-@pytest.mark.skipif(kernels._argmax_library() is None, reason="no C++ compiler")
+@pytest.mark.skipif(kernels._sampling_library() is None, reason="no C++ compiler")
 def test_argmax_orders_nan_infinities_and_signed_zeros_as_torch_does():
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[1.0, nan, 3.0, nan, 5.0], [-inf] * 5, [2.0, 5.0, 5.0, 1.0, 5.0],
@@ -421,6 +421,26 @@ def test_argmax_orders_nan_infinities_and_signed_zeros_as_torch_does():
         == [1, 0, 1, 0, 1, 0, 2]
 
 
+@pytest.mark.skipif(kernels._sampling_library() is None, reason="no C++ compiler")
+def test_sample_reads_strided_rows_and_draws_nothing_where_nothing_can_be_drawn():
+    """-1 (the sampler then names whose fault it is) for a NaN, a +inf, no finite logit, or a
+    logit that the temperature scales out of float32's range; a lone finite token in a
+    vector's tail is drawn at any u; rows a stride apart."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.full((6, 14), -inf)[:, 1:12]  # 11 columns: a tail past 8 lanes
+    logits[0, 10] = 2.0
+    logits[1] = 0.0
+    logits[1, 5] = nan
+    logits[2] = 1.0
+    logits[2, 6] = inf
+    logits[4, 7] = 1e38  # / 1e-5: +inf
+    logits[5, :3] = torch.tensor([1.0, 1.0, 1.0])
+    for u in (0.0, 0.5, 1 - 2 ** -53):
+        got = kernels.sample(logits, [1.0] * 4 + [1e-5, 1.0], [0.0] * 6, [0] * 6, [1.0] * 6,
+                             torch.full((6, 1), u, dtype=torch.float64))
+        assert got.tolist() == [10, -1, -1, -1, -1, min(int(3 * u), 2)]
+
+
 def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
     """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
     import subprocess
@@ -428,6 +448,8 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
 
     code = ("import torch; from fulcrum import kernels; kernels.paged_attention(); "
             "kernels.has_elementwise(); kernels.argmax(torch.zeros(2, 3)); "
+            "kernels.sample(torch.zeros(1, 3), [1.0], [0.0], [0], [1.0], "
+            "torch.zeros(1, 1, dtype=torch.float64)); "
             "print(torch.tensor(1e-40, dtype=torch.float32).item() > 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)

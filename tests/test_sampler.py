@@ -47,6 +47,7 @@ def greedy(logits: List[float], **params) -> int:
 
 
 # ------------------------------------------------------------ filtering masks
+@pytest.mark.usefixtures("kernel_path")
 def test_plain_sampling_reaches_every_token_in_proportion():
     counts = draw(log_probs(0.5, 0.3, 0.15, 0.05))
     assert set(counts) == {0, 1, 2, 3}
@@ -54,12 +55,14 @@ def test_plain_sampling_reaches_every_token_in_proportion():
     assert counts[3] / DRAWS == pytest.approx(0.05, abs=0.025)
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_top_k_keeps_only_the_k_most_likely():
     logits = torch.tensor([0.1, 2.0, 0.3, 1.9, 1.8, -1.0, 0.0, 1.0])
     counts = draw(logits, top_k=3)
     assert set(counts) == {1, 3, 4}
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_top_p_keeps_smallest_nucleus_reaching_p():
     logits = log_probs(0.5, 0.3, 0.15, 0.05)
     assert set(draw(logits, top_p=0.7)) == {0, 1}
@@ -67,17 +70,20 @@ def test_top_p_keeps_smallest_nucleus_reaching_p():
     assert set(draw(logits, top_p=0.4)) == {0}  # the top token always stays
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_top_p_after_top_k_renormalises():
     # top_k=2 leaves {0: 0.625, 1: 0.375}; top_p=0.6 of that is token 0 alone.
     assert set(draw(log_probs(0.5, 0.3, 0.15, 0.05), top_k=2, top_p=0.6)) == {0}
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_min_p_drops_tokens_below_fraction_of_the_top():
     logits = log_probs(0.5, 0.3, 0.15, 0.05)
     assert set(draw(logits, min_p=0.2)) == {0, 1, 2}  # threshold 0.1
     assert set(draw(logits, min_p=0.5)) == {0, 1}  # threshold 0.25
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_filters_apply_per_row_in_a_mixed_batch():
     logits = log_probs(0.4, 0.3, 0.2, 0.1).expand(600, -1).clone()
     rows = [row(f"r{i}", top_k=1 + i % 3) for i in range(600)]
@@ -87,6 +93,7 @@ def test_filters_apply_per_row_in_a_mixed_batch():
     assert {t.token_id for t in tokens} == {0, 1, 2}
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_low_temperature_concentrates_high_temperature_spreads():
     logits = log_probs(0.4, 0.3, 0.2, 0.1)
     cold = draw(logits, temperature=0.1)
@@ -182,6 +189,7 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     assert greedy(logits, stop=stop) == 2
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_min_tokens_masks_in_random_sampling():
     counts = draw(log_probs(0.45, 0.45, 0.1), stop=[0, 1], min_tokens=1)
     assert set(counts) == {2}
@@ -484,7 +492,101 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
     assert _inverse_cdf(probs, edges[1:].expand(2, 1), block=128).tolist() == [250, 299]
 
 
+# ------------------------------------------------------------ the sampling rules
+def _reference_draws(logits: torch.Tensor, temperature: float, min_p: float, top_k: int,
+                     top_p: float, u: np.ndarray):
+    """The sampling rules in float64, for one row at many uniforms: the tokens, and for each
+    whether float32 rounding could decide it otherwise (a weight, a nucleus mass or the draw
+    within 1e-5 of its threshold)."""
+    x = logits.double().numpy() / temperature
+    finite = np.isfinite(x)
+    w = np.where(finite, np.exp(x - x[finite].max()), 0.0)
+    near = bool(min_p) and bool(np.any(np.abs(w - min_p) <= 1e-5 * min_p))
+    w[w < min_p] = 0.0
+    order = sorted(np.flatnonzero(w > 0), key=lambda i: (-x[i], i))  # of equal x, lower id
+    if 0 < top_k < len(order):
+        near |= 0 < x[order[top_k - 1]] - x[order[top_k]] <= 1e-5 * abs(x[order[top_k]])
+        order = order[:top_k]
+    if top_p < 1.0:
+        probs = w[order] / w[order].sum()
+        before = np.cumsum(probs) - probs
+        near |= bool(np.any(np.abs(before - top_p) <= 1e-5))
+        order = order[:max(1, int(np.sum(before < top_p)))]
+    kept = np.zeros_like(w)
+    kept[order] = w[order]
+    cdf = np.cumsum(kept)
+    target = u * cdf[-1]
+    tokens = np.searchsorted(cdf, target, side="right")
+    gap = np.min(np.abs(cdf[None, :] - target[:, None]), axis=1)
+    return tokens, near | (gap <= 1e-5 * cdf[-1])
+
+
+@pytest.fixture
+def portable_sampling_kernel(tmp_path, monkeypatch):
+    """kernels.sample on a build of sampling.cpp for any x86-64 CPU (no AVX2: its portable
+    loops), where this machine's build would take its vector ones."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from fulcrum import kernels
+
+    if kernels.compiler() is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C++ compiler for x86-64")
+    flags = ["-march=x86-64" if flag == "-march=native" else flag for flag in kernels.FLAGS]
+    built = tmp_path / "sampling.so"
+    subprocess.run([kernels.compiler(), *flags, str(kernels.KERNEL_DIR / "sampling.cpp"), "-o",
+                    str(built)], check=True, capture_output=True, timeout=300)
+    library = ctypes.CDLL(str(built))
+    kernels.declare_sampling(library)
+    monkeypatch.setattr(kernels, "_sampling_library", lambda: library)
+
+
+@pytest.mark.parametrize("implementation", ["kernel", "portable kernel", "torch"])
+def test_sampling_follows_its_rules_to_float64_precision(implementation, request):
+    """kernels.sample (this CPU's build and a portable one) and the torch path against the
+    rules computed in float64: temperature, min_p, top_k (ties: the lower token id first,
+    which bf16 logits make common), top_p renormalised over top_k, and the inverse CDF in
+    vocabulary order, on rows with masked tokens; a draw may differ only where float32
+    rounding could decide it otherwise."""
+    from fulcrum import kernels
+    from fulcrum.worker.sampler import _sample_with_torch
+
+    if implementation == "portable kernel":
+        request.getfixturevalue("portable_sampling_kernel")
+    elif implementation == "kernel" and kernels._sampling_library() is None:
+        pytest.skip("no C++ compiler")
+    generator = torch.Generator().manual_seed(0)
+    cases = [dict(), dict(top_p=0.9), dict(top_k=20), dict(top_k=50, top_p=0.6),
+             dict(min_p=0.05), dict(min_p=0.01, top_k=30, top_p=0.8), dict(top_k=1),
+             dict(top_p=0.3), dict(top_k=700, top_p=0.95)]
+    draws = exact = 0
+    for case_number, case in enumerate(cases):
+        params = SamplingParams(temperature=[0.6, 1.0, 1.7][case_number % 3], **case)
+        for trial in range(12):
+            logits = torch.randn(1000, generator=generator) * (0.5 + trial / 2)
+            if trial % 2:
+                logits = logits.bfloat16().float()  # many equal logits
+            if trial % 3 == 0:
+                logits[trial::5] = float("-inf")  # masked tokens
+            u = torch.rand(40, 1, generator=generator, dtype=torch.float64)
+            rows = logits.expand(40, -1).contiguous()
+            if implementation != "torch":
+                got = kernels.sample(rows, [params.temperature] * 40, [params.min_p] * 40,
+                                     [params.top_k] * 40, [params.top_p] * 40, u)
+            else:
+                got = _sample_with_torch(rows, [params] * 40, u)
+            expected, near = _reference_draws(logits, params.temperature, params.min_p,
+                                              params.top_k, params.top_p, u.numpy()[:, 0])
+            for token, want, either in zip(got.tolist(), expected.tolist(), near.tolist()):
+                draws += 1
+                exact += not either
+                assert token == want or either, (case, trial, token, want)
+    assert exact >= 0.97 * draws  # the comparison is not left to the tolerance
+
+
 # ------------------------------------------------------------ nothing to sample
+@pytest.mark.usefixtures("kernel_path")
 def test_a_row_with_nothing_to_sample_is_the_requests_fault_unless_the_model_is():
     from fulcrum.outputs import RequestFault
     from fulcrum.worker.sampler import RowsFailed
@@ -517,6 +619,7 @@ def test_a_row_with_nothing_to_sample_is_the_requests_fault_unless_the_model_is(
         0].token_id in (0, 1)
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_a_row_with_nothing_to_sample_leaves_the_seeded_rows_beside_it_alone():
     """The other rows keep the tokens of the batch's one draw: drawing them again would move
     a seeded request's generator on and change its output."""

@@ -5,7 +5,8 @@
 - linear_bf16.cpp: bfloat16 and int8 linear layers over weights packed once, on
   AVX512-BF16 and VNNI CPUs or, widening the weights in registers, on AVX2 and FMA ones;
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass;
-- argmax.cpp: greedy sampling's argmax over fp32 logits, vectorised.
+- sampling.cpp: greedy sampling's argmax over fp32 logits, vectorised, and random sampling
+  (temperature, min_p, top_k, top_p) sorting only the tokens near the filters' cut.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
 cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source
@@ -97,7 +98,7 @@ def _library(name: str) -> Optional[ctypes.CDLL]:
 def clear_cache() -> None:
     """Forget loaded kernels, so FULCRUM_DISABLE_KERNELS is read again (tests flip it)."""
     for cached in (_library, paged_attention, _linear_library, _elementwise_library,
-                   shm_collectives, _argmax_library):
+                   shm_collectives, _sampling_library):
         cached.cache_clear()
 
 
@@ -424,20 +425,26 @@ def rope_bf16_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     return x
 
 
-# ---------------------------------------------------------------------- argmax
+# -------------------------------------------------------------------- sampling
 @functools.lru_cache(maxsize=None)
-def _argmax_library() -> Optional[ctypes.CDLL]:
-    library = _library("argmax")
+def _sampling_library() -> Optional[ctypes.CDLL]:
+    library = _library("sampling")
     if library is not None:
-        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        _declare(library, "fulcrum_argmax_f32", [pointer, i64, i32, i32, pointer, i32])
+        declare_sampling(library)
     return library
+
+
+def declare_sampling(library: ctypes.CDLL) -> None:
+    """The argument types of a build of sampling.cpp (tests load a portable one too)."""
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    _declare(library, "fulcrum_argmax_f32", [pointer, i64, i32, i32, pointer, i32])
+    _declare(library, "fulcrum_sample_f32", [pointer, i64, i32, i32] + [pointer] * 6 + [i32])
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of fp32 rows [rows, vocab] on CPU (the same indices:
     first of equal maxima, NaN largest), vectorised; torch's own elsewhere."""
-    library = _argmax_library()
+    library = _sampling_library()
     if (library is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
             or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0):
         return logits.argmax(dim=-1)
@@ -445,4 +452,31 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     _check(library.fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
                                       logits.shape[1], out.data_ptr(), torch.get_num_threads()),
            "argmax")
+    return out
+
+
+def can_sample(logits: torch.Tensor) -> bool:
+    """Whether `sample` runs these logits (fp32 rows [rows, vocab] on CPU)."""
+    return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.stride(1) == 1 and logits.shape[1] > 0
+            and _sampling_library() is not None)
+
+
+def sample(logits: torch.Tensor, temperature: Sequence[float], min_p: Sequence[float],
+           top_k: Sequence[int], top_p: Sequence[float], u: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn at its uniform u (float64 [rows, 1]) from softmax(logits / T)
+    after min_p, top_k (<= 0 or >= vocab: off) and top_p, by the torch path's rules (see
+    sampling.cpp); -1 for a row with nothing to sample."""
+    rows, vocab = logits.shape
+    device = logits.device  # not the default device, which may be another
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    floats = functools.partial(torch.tensor, dtype=torch.float32, device=device)
+    temperature, min_p, top_p = floats(temperature), floats(min_p), floats(top_p)
+    top_k = torch.tensor([k if 0 < k < vocab else 0 for k in top_k], dtype=torch.int64,
+                         device=device)
+    u = u.to(device=device, dtype=torch.float64).contiguous()
+    _check(_sampling_library().fulcrum_sample_f32(
+        logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(),
+        min_p.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), out.data_ptr(),
+        torch.get_num_threads()), "sample")
     return out

@@ -92,7 +92,7 @@ class NativeStack:
         self.model, self.library, self.head = model, library, head
         linear, elementwise, attention, argmax = (
             kernels._linear_library(), kernels._elementwise_library(),
-            kernels.paged_attention(), kernels._argmax_library())
+            kernels.paged_attention(), kernels._sampling_library())
         self.kernels = _Kernels(
             _entry(linear, "fulcrum_linear_bf16"), _entry(linear, "fulcrum_linear_int8"),
             _entry(elementwise, "fulcrum_rms_norm_bf16"),
