@@ -197,6 +197,21 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
             raise ValueError(f"load_format must be one of auto, safetensors, pt, dummy, "
                              f"got {self.load_format!r}")
+        if not self.chunked_prefill:
+            # Both shape prompt chunks: without chunks they would change nothing.
+            off = " It is off here (enable_chunked_prefill=False or batching_mode='static')."
+            if (self.max_num_partial_prefills or 1) > 1:
+                raise ValueError("Chunked prefill must be enabled to set "
+                                 "max_num_partial_prefills > 1." + off)  # vLLM's words
+            if threshold:
+                raise ValueError("Chunked prefill must be enabled to set "
+                                 "long_prefill_token_threshold (the most tokens of a prompt "
+                                 "in one step)." + off)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether prompts may be split into chunks: continuous batching with chunking on."""
+        return self.enable_chunked_prefill and self.batching_mode == "continuous"
 
     def resolve(self, model_max_len: int) -> "EngineConfig":
         """Return a copy with max_model_len, the token budget and the prefill cap filled in."""
@@ -209,7 +224,7 @@ class EngineConfig:
                 f"max_model_len={max_model_len} is larger than the model's maximum context "
                 f"length ({model_max_len})")
         budget = self.max_num_batched_tokens
-        chunked = self.enable_chunked_prefill and self.batching_mode == "continuous"
+        chunked = self.chunked_prefill
         if budget is None:
             budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not chunked:

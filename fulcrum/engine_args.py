@@ -27,9 +27,10 @@ _HELP = {
     "long_prefill_token_threshold": "most tokens of one prompt in one step (default: an "
                                     "eighth of the budget; 0: vLLM's rule, 4%% of "
                                     "max_model_len when max_num_partial_prefills > 1, else "
-                                    "no cap)",
+                                    "no cap; needs chunked prefill)",
     "max_num_partial_prefills": "most prompts part-way through prefill at once (default: as "
-                                "many as their chunks fill a step, budget / threshold)",
+                                "many as their chunks fill a step, budget / threshold; > 1 "
+                                "needs chunked prefill)",
     "scheduling_policy": "slo (default: meet TTFT/TPOT targets step by step), fcfs (first "
                          "come, first served, fixed chunks), or priority (lower value first; "
                          "may preempt; fixed chunks)",

@@ -74,8 +74,9 @@ def engine_configs(draw, block_size_choices=(4, 8, 16)) -> dict:
         max_num_batched_tokens=budget,
         max_num_seqs=draw(st.integers(1, min(6, budget))),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5])),
-        max_num_partial_prefills=draw(st.integers(1, 3)),
+        # Chunk knobs only with chunks (without them they are refused).
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5])) if chunked else 0,
+        max_num_partial_prefills=draw(st.integers(1, 3)) if chunked else 1,
         max_model_len=MAX_MODEL_LEN,
     )
 

@@ -417,12 +417,26 @@ def test_static_batching_runs_each_batch_to_completion():
 
 
 def test_static_batching_never_chunks_prompts():
-    sim = Sim(max_num_batched_tokens=256, max_num_seqs=4, batching_mode="static",
-              long_prefill_token_threshold=4)
+    sim = Sim(max_num_batched_tokens=256, max_num_seqs=4, batching_mode="static")
     sim.add("a", prompt_len=100)
     out = sim.step()
     assert chunk_of(out, "a").num_tokens == 100
     sim.run()
+
+
+@pytest.mark.parametrize("off", [dict(enable_chunked_prefill=False),
+                                 dict(batching_mode="static")])
+def test_chunk_knobs_without_chunked_prefill_are_refused(off):
+    """They would change nothing; vLLM refuses the first in these words."""
+    with pytest.raises(ValueError, match=r"^Chunked prefill must be enabled to set "
+                                         r"max_num_partial_prefills > 1\. It is off here"):
+        EngineConfig(max_num_partial_prefills=2, **off)
+    with pytest.raises(ValueError, match="^Chunked prefill must be enabled to set "
+                                         "long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=4, **off)
+    # What changes nothing stays accepted: one prompt at a time, and vLLM's 0 (no cap).
+    config = EngineConfig(max_num_partial_prefills=1, long_prefill_token_threshold=0, **off)
+    assert config.resolve(256).max_num_partial_prefills == 1
 
 
 # ------------------------------------------------------------ no lost requests
@@ -439,8 +453,8 @@ def test_random_workloads_finish_every_request(seed):
               prefix_caching=rng.random() < 0.5, model_max_len=64,
               max_num_batched_tokens=budget, max_num_seqs=rng.randint(1, 6),
               enable_chunked_prefill=chunked, scheduling_policy=policy,
-              long_prefill_token_threshold=rng.choice([0, 5]),
-              max_num_partial_prefills=rng.randint(1, 3))
+              long_prefill_token_threshold=rng.choice([0, 5]) if chunked else 0,
+              max_num_partial_prefills=rng.randint(1, 3) if chunked else 1)
     shared_prefix = [7] * 16
     count = 0
     for _ in range(400):

@@ -75,9 +75,8 @@ def config_for(model_dir: str, engine_kwargs: Dict[str, Any], setting: Dict[str,
     kwargs = {**engine_kwargs, **setting}
     kwargs["max_model_len"] = kwargs.get("max_model_len") or max_model_len
     config = EngineConfig(model=model_dir, **kwargs)
-    chunked = config.enable_chunked_prefill and config.batching_mode == "continuous"
     budget = config.max_num_batched_tokens
-    if not chunked and budget is not None and budget < config.max_model_len:
+    if not config.chunked_prefill and budget is not None and budget < config.max_model_len:
         config = dataclasses.replace(config, max_num_batched_tokens=config.max_model_len)
     return config
 

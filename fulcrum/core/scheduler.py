@@ -115,7 +115,7 @@ class Scheduler:
         self.clock = clock
         self.policy = make_policy(config, clock, step_time)
         self.static = config.batching_mode == "static"
-        self.chunked_prefill = config.enable_chunked_prefill and not self.static
+        self.chunked_prefill = config.chunked_prefill
         self.requests: Dict[str, Request] = {}
         self.waiting: List[Request] = []
         self.running: List[Request] = []
