@@ -301,6 +301,15 @@ def test_grid_is_a_union_of_products():
         parse_grid(["not_a_knob=1"])
 
 
+def test_grid_values_may_be_floats_and_none():
+    grid = parse_grid(["slo_ttft_ms=200.5,1e3 gpu_memory_utilization=0.5",
+                       "quantization=None,int8"])
+    assert grid == [{"slo_ttft_ms": 200.5, "gpu_memory_utilization": 0.5},
+                    {"slo_ttft_ms": 1000.0, "gpu_memory_utilization": 0.5},
+                    {"quantization": None}, {"quantization": "int8"}]
+    assert parse_grid(["max_num_seqs=8"]) == [{"max_num_seqs": 8}]  # ints stay ints
+
+
 def test_pareto_front_maximises_throughput_and_minimises_latency():
     points = [(100, 50), (200, 80), (150, 90), (200, 70), (50, None)]
     assert pareto_front(points) == [True, False, False, True, False]

@@ -106,7 +106,8 @@ def _register_sweep(commands) -> None:
     add_arrival_args(parser)
     parser.add_argument("--grid", action="append", metavar="'FIELD=V1,V2 ...'",
                         help="settings: each --grid is a Cartesian product, several are joined "
-                             f"(default: {' | '.join(DEFAULT_GRID)})")
+                             "(values: true/false, none, integers, numbers, else text; "
+                             f"default: {' | '.join(DEFAULT_GRID)})")
     parser.add_argument("--output-dir", type=output_dir, default=f"{RESULTS_DIR}/sweep")
     parser.set_defaults(func=run_sweep, dataset="mixed", request_rate=4.0)
 
