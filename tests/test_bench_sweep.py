@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from fulcrum.bench import throughput
 from fulcrum.bench.cli import register
 from fulcrum.bench.datasets import random_requests
 from fulcrum.bench.hf_baseline import measure_hf
@@ -84,6 +85,26 @@ def test_throughput_command(llama_dir, tmp_path, capsys):
     assert result["share_of_kernel_roofline"] == result["kernel_roofline_s"] / result["elapsed_s"]
     out = capsys.readouterr().out
     assert "% of the roofline" in out and "kernel by kernel, memory-bound work at" in out
+
+
+def test_throughput_hf_flags_go_with_compare_hf_which_saves_its_result(llama_dir, tmp_path,
+                                                                      monkeypatch):
+    argv = ["bench", "throughput", str(llama_dir), "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "4", *SMALL_KV]
+    for flag, value in (("--hf-batch-size", "3"), ("--results-dir", str(tmp_path / "r"))):
+        with pytest.raises(ValueError, match=f"^{flag} go with --compare-hf"):
+            _run_cli([*argv, flag, value])
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(throughput, "run_isolated", lambda function, *args: function(*args))
+    saved = tmp_path / "saved.json"
+    assert _run_cli([*argv, "--compare-hf", "--hf-batch-size", "2", "--results-dir",
+                     str(tmp_path / "cmp"), "--save-result", str(saved)]) == 0
+    data = json.loads(saved.read_text())
+    assert data["result"]["output_tokens"] == data["hf_transformers"]["output_tokens"] == 8
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == [
+        "throughput_vs_hf_llama.json", "throughput_vs_hf_llama.md"]
+    compared = json.loads((tmp_path / "cmp" / "throughput_vs_hf_llama.json").read_text())
+    assert compared["setup"]["hf_batch_size"] == 2
 
 
 def test_fulcrum_and_hf_produce_the_same_token_counts(llama_dir, tmp_path):

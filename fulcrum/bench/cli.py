@@ -22,6 +22,7 @@ from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 RESULTS_DIR = "benchmarks/results"
+HF_BATCH_SIZE = 16
 
 
 def register(subparsers) -> None:
@@ -87,10 +88,13 @@ def _register_throughput(commands) -> None:
     parser.add_argument("--compare-hf", action="store_true",
                         help="also run HF transformers generate in static batches on the same "
                              "prompts and write JSON + markdown to --results-dir")
-    parser.add_argument("--hf-batch-size", type=positive_int, default=16)
-    parser.add_argument("--results-dir", default=RESULTS_DIR)
+    parser.add_argument("--hf-batch-size", type=positive_int, default=None,
+                        help=f"with --compare-hf: HF's batch size (default {HF_BATCH_SIZE})")
+    parser.add_argument("--results-dir", default=None,
+                        help=f"with --compare-hf: where the comparison goes (default "
+                             f"{RESULTS_DIR})")
     parser.add_argument("--save-result", type=output_file, metavar="FILE",
-                        help="write fulcrum's result as JSON")
+                        help="write the result as JSON (with --compare-hf, HF's beside it)")
     parser.set_defaults(func=run_throughput)
 
 
@@ -295,22 +299,32 @@ def _token_counter(model_dir: str):
 def run_throughput(args: argparse.Namespace) -> int:
     from fulcrum.bench.throughput import measure_fulcrum
 
+    given = [flag for flag, value in (("--hf-batch-size", args.hf_batch_size),
+                                      ("--results-dir", args.results_dir)) if value is not None]
+    if given and not args.compare_hf:
+        raise ValueError(f"{' and '.join(given)} go with --compare-hf (HF's run), which was "
+                         "not asked for")
     model_dir, name, kwargs = _model(args)
     requests = build_requests(args, _token_counter(model_dir))
+    hf = None
     if args.compare_hf:
-        return _compare_hf(args, model_dir, name, kwargs, requests)
-    result = measure_fulcrum(model_dir, kwargs, requests, show_progress=True)
-    print(result.summary("fulcrum"))
+        result, hf = _compare_hf(args, model_dir, name, kwargs, requests)
+    else:
+        result = measure_fulcrum(model_dir, kwargs, requests, show_progress=True)
+        print(result.summary("fulcrum"))
     if args.save_result:
         from fulcrum.bench.report import machine_facts
 
         _write_json(args.save_result, {"model": name, "args": _run_args(args),
-                                       "machine": machine_facts(), "result": result.as_dict()})
+                                       "machine": machine_facts(), "result": result.as_dict(),
+                                       **({"hf_transformers": hf.as_dict()} if hf else {})})
     return 0
 
 
 def _compare_hf(args: argparse.Namespace, model_dir: str, name: str, kwargs: Dict[str, Any],
-                requests: list) -> int:
+                requests: list) -> Tuple[Any, Any]:
+    """(fulcrum's result, HF's), each measured in a process of its own; the comparison is
+    written to --results-dir."""
     import torch
 
     from fulcrum.bench.hf_baseline import measure_hf
@@ -320,22 +334,23 @@ def _compare_hf(args: argparse.Namespace, model_dir: str, name: str, kwargs: Dic
 
     dtype = resolve_dtype(args.dtype, load_hf_config(model_dir))
     device = str(resolve_device(args.device))
+    batch_size = args.hf_batch_size or HF_BATCH_SIZE
     fulcrum = run_isolated(measure_fulcrum, model_dir, kwargs, requests)
     print(fulcrum.summary("fulcrum"))
-    hf = run_isolated(measure_hf, model_dir, dtype, device, requests, args.hf_batch_size,
+    hf = run_isolated(measure_hf, model_dir, dtype, device, requests, batch_size,
                       kwargs["load_format"] == "dummy")
     print(hf.summary("HF transformers"))
     setup = {"model": name, "weights": "dummy" if kwargs["load_format"] == "dummy" else "real",
              "dtype": str(dtype).removeprefix("torch."), "device": device,
              "requests": len(requests), "input_len": args.input_len,
-             "output_len": args.output_len, "hf_batch_size": args.hf_batch_size,
+             "output_len": args.output_len, "hf_batch_size": batch_size,
              "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
              "cpus": os.cpu_count(), "date": datetime.date.today().isoformat()}
-    stem = Path(args.results_dir) / f"throughput_vs_hf_{name}"
+    stem = Path(args.results_dir or RESULTS_DIR) / f"throughput_vs_hf_{name}"
     json_path, md_path = write_comparison(fulcrum, hf, setup, stem)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
-    return 0
+    return fulcrum, hf
 
 
 def run_sweep(args: argparse.Namespace) -> int:
