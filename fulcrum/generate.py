@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
+# The SamplingParams fields generate has flags for (besides --sampling-seed), and their types.
+SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int}
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text for one prompt",
-                                   description="Generate a completion for one prompt.")
+    parser = subparsers.add_parser(
+        "generate", help="generate text for one prompt",
+        description="Generate a completion for one prompt. The sampling flags left out take "
+                    "the model's defaults (--generation-config), else SamplingParams' (16 "
+                    "tokens at temperature 1.0), as LLM.generate does.")
     parser.add_argument("model", nargs="?", default=None,
                         help="local Hugging Face model folder (default: built-in model)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    for name, kind in SAMPLING_FLAGS.items():  # None: not given
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--sampling-seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_args(parser)
@@ -24,7 +29,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fulcrum import LLM, SamplingParams
+    from fulcrum import LLM
 
     if args.scheduling_policy != "slo" and (args.slo_ttft_ms, args.slo_tpot_ms) != (None, None):
         # A server's metrics judge goodput by them under any policy; generate shows none.
@@ -32,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
                          "in generate")
     llm = LLM(**engine_kwargs(args))
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+        given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        given["seed"] = args.sampling_seed  # (--seed is the engine's)
+        given = {name: value for name, value in given.items() if value is not None}
+        params = dataclasses.replace(llm.get_default_sampling_params(), **given)
         if args.chat:
             output = llm.chat([{"role": "user", "content": args.prompt}], params,
                               use_tqdm=False)[0]

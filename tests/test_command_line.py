@@ -4,6 +4,7 @@ names its flag (exit 2), before any model loads or any run starts; what argparse
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -143,3 +144,26 @@ def test_generate_refuses_latency_targets_no_policy_reads(capsys):
     assert main(["generate", "--prompt", "x", "--scheduling-policy", "fcfs",
                  "--slo-ttft-ms", "100"]) == 2
     assert "steer only --scheduling-policy slo" in capsys.readouterr().err
+
+
+def test_generate_starts_from_the_generation_config(llama_dir, tmp_path, capsys):
+    from fulcrum import LLM
+
+    folder = tmp_path / "gencfg"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(
+        '{"max_new_tokens": 3, "temperature": 0.0, "repetition_penalty": 1.8}')
+    argv = ["generate", str(llama_dir), "--prompt", "hi", "--generation-config", str(folder)]
+    llm = LLM(str(llama_dir), generation_config=str(folder))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.repetition_penalty) == (3, 1.8)
+    assert main(argv) == 0
+    text, summary = capsys.readouterr().out.rsplit("\n[", 1)
+    assert text == llm.generate("hi", defaults, use_tqdm=False)[0].outputs[0].text
+    assert ", 3 generated, finish_reason=length," in summary
+    # A flag given overrides its field; the others stay the model's.
+    assert main([*argv, "--max-tokens", "5"]) == 0
+    text, summary = capsys.readouterr().out.rsplit("\n[", 1)
+    longer = dataclasses.replace(defaults, max_tokens=5)
+    assert text == llm.generate("hi", longer, use_tqdm=False)[0].outputs[0].text
+    assert ", 5 generated, finish_reason=length," in summary
