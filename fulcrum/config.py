@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Dict, Literal, Optional
 
 from fulcrum.sampling_params import is_int
 
@@ -267,3 +267,16 @@ class EngineConfig:
             max_model_len=max_model_len, max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partial)
+
+
+def check_slo_targets_read(scheduling_policy: str, metrics: bool,
+                           targets: Dict[str, Optional[float]], where: str) -> None:
+    """Latency targets steer only the slo policy; under another, only metrics read them (each
+    request's SLO met or missed). Given where neither does, they would change nothing, so
+    they are refused. `targets`: name (as the caller spells it) -> value, None if not given;
+    `metrics`: whether the caller keeps metrics; `where`: why it keeps none, for the message."""
+    given = [name for name, value in targets.items() if value is not None]
+    if given and scheduling_policy != "slo" and not metrics:
+        raise ValueError(f"{' and '.join(given)}: latency targets steer only the slo "
+                         f"scheduling policy, and {where}, so under {scheduling_policy!r} "
+                         "they would change nothing (use 'slo', or leave them out)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from fulcrum.config import check_slo_targets_read
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 # The SamplingParams fields generate has flags for (besides --sampling-seed), and their types.
@@ -31,10 +32,9 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from fulcrum import LLM
 
-    if args.scheduling_policy != "slo" and (args.slo_ttft_ms, args.slo_tpot_ms) != (None, None):
-        # A server's metrics judge goodput by them under any policy; generate shows none.
-        raise ValueError("--slo-ttft-ms and --slo-tpot-ms steer only --scheduling-policy slo "
-                         "in generate")
+    check_slo_targets_read(args.scheduling_policy, False, {
+        "--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms},
+        "generate shows no metrics")
     llm = LLM(**engine_kwargs(args))
     try:
         given = {name: getattr(args, name) for name in SAMPLING_FLAGS}

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from fulcrum.chat_messages import template_conversation, template_tools
 from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_template_kwargs,
                                    content_format)
-from fulcrum.config import EngineConfig
+from fulcrum.config import EngineConfig, check_slo_targets_read
 from fulcrum.default_model import DEFAULT_MODEL_NAME
 from fulcrum.engine import LLMEngine, PromptType, is_token_id
 from fulcrum.metrics import EngineMetrics, Metric, snapshot
@@ -34,7 +34,9 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        _check_targets_read(config, config.slo_ttft_ms, config.slo_tpot_ms)
+        self.llm_engine = LLMEngine(config)
         self._counter = 0
         self._metrics: Optional[EngineMetrics] = None
         if not self.llm_engine.config.disable_log_stats:
@@ -84,6 +86,8 @@ class LLM:
         replaced = {id(p): dataclasses.replace(p, output_kind=self._kind, **targets)
                     for p in params_list}
         params_list = [replaced[id(p)] for p in params_list]
+        for params in replaced.values():
+            _check_targets_read(self.llm_engine.config, params.slo_ttft_ms, params.slo_tpot_ms)
         if priority is not None and (not isinstance(priority, collections.abc.Sequence)
                                      or isinstance(priority, str)):
             raise TypeError("priority must be a list of integers, one per prompt, got "
@@ -217,6 +221,14 @@ class LLM:
         preempted = engine.scheduler.stats().num_preempted_waiting
         self._metrics.record(StepReport([], engine.last_step_stats, preempted, now))
         self._metrics.record(StepReport(outputs, None, preempted, now), cumulative=True)
+
+
+def _check_targets_read(config: EngineConfig, slo_ttft_ms: Optional[float],
+                        slo_tpot_ms: Optional[float]) -> None:
+    """Latency targets, the engine's or a request's, are refused where nothing reads them."""
+    check_slo_targets_read(config.scheduling_policy, not config.disable_log_stats,
+                           {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms},
+                           "LLM(disable_log_stats=True) keeps no metrics")
 
 
 def _check_no_lora(lora_request: Any) -> None:

@@ -95,6 +95,10 @@ def test_throughput_hf_flags_go_with_compare_hf_which_saves_its_result(llama_dir
         with pytest.raises(ValueError, match=f"^{flag} go with --compare-hf"):
             _run_cli([*argv, flag, value])
     assert not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match="^--slo-ttft-ms: latency targets steer only the slo "
+                                         "scheduling policy, and bench throughput reports no "
+                                         "SLO attainment, so under 'fcfs'"):
+        _run_cli([*argv, "--scheduling-policy", "fcfs", "--slo-ttft-ms", "5"])
     monkeypatch.setattr(throughput, "run_isolated", lambda function, *args: function(*args))
     saved = tmp_path / "saved.json"
     assert _run_cli([*argv, "--compare-hf", "--hf-batch-size", "2", "--results-dir",

@@ -143,7 +143,10 @@ def test_request_logs_show_whatever_the_log_level(monkeypatch):
 def test_generate_refuses_latency_targets_no_policy_reads(capsys):
     assert main(["generate", "--prompt", "x", "--scheduling-policy", "fcfs",
                  "--slo-ttft-ms", "100"]) == 2
-    assert "steer only --scheduling-policy slo" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "fulcrum generate: error: --slo-ttft-ms: latency targets steer only the slo scheduling "
+        "policy, and generate shows no metrics, so under 'fcfs' they would change nothing (use "
+        "'slo', or leave them out)\n")
 
 
 def test_generate_starts_from_the_generation_config(llama_dir, tmp_path, capsys):

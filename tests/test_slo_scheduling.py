@@ -417,3 +417,24 @@ def test_slo_targets_per_engine_and_per_request(llama_dir):
             SamplingParams(slo_ttft_ms=bad)
     with pytest.raises(ValueError, match="slo_tpot_ms must be a positive number"):
         LLM(str(llama_dir), slo_tpot_ms=-1)
+
+
+def test_latency_targets_are_refused_where_nothing_reads_them(llama_dir):
+    unread = (r"latency targets steer only the slo scheduling policy, and "
+              r"LLM\(disable_log_stats=True\) keeps no metrics, so under 'fcfs' they would "
+              r"change nothing \(use 'slo', or leave them out\)$")
+    with pytest.raises(ValueError, match="^slo_ttft_ms and slo_tpot_ms: " + unread):
+        LLM(str(llama_dir), scheduling_policy="fcfs", slo_ttft_ms=100, slo_tpot_ms=10)
+    llm = LLM(str(llama_dir), scheduling_policy="fcfs")
+    with pytest.raises(ValueError, match="^slo_tpot_ms: " + unread):
+        llm.generate("x", greedy(), use_tqdm=False, slo_tpot_ms=10)
+    with pytest.raises(ValueError, match="^slo_ttft_ms: " + unread):
+        llm.chat([{"role": "user", "content": "x"}], greedy(slo_ttft_ms=10), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # With metrics they are read: each request's SLO is met or missed by them.
+    observed = LLM(str(llama_dir), scheduling_policy="fcfs", disable_log_stats=False,
+                   slo_tpot_ms=1e6)
+    observed.generate("x", greedy(slo_ttft_ms=1e-6), use_tqdm=False)
+    judged = {(m.labels["target"], m.labels["result"]): m.value
+              for m in observed.get_metrics() if m.name == "fulcrum:request_slo"}
+    assert judged[("ttft", "missed")] == judged[("tpot", "met")] == 1

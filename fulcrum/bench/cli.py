@@ -19,6 +19,7 @@ from fulcrum.bench.arrivals import add_arrival_args, build_schedule
 from fulcrum.bench.datasets import add_dataset_args, build_requests
 from fulcrum.bench.metrics import GOODPUT_KEYS, format_report, parse_goodput, report_by_group
 from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
+from fulcrum.config import check_slo_targets_read
 from fulcrum.engine_args import add_engine_args, engine_kwargs
 
 RESULTS_DIR = "benchmarks/results"
@@ -304,6 +305,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     if given and not args.compare_hf:
         raise ValueError(f"{' and '.join(given)} go with --compare-hf (HF's run), which was "
                          "not asked for")
+    check_slo_targets_read(args.scheduling_policy, False, {
+        "--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms},
+        "bench throughput reports no SLO attainment")
     model_dir, name, kwargs = _model(args)
     requests = build_requests(args, _token_counter(model_dir))
     hf = None
