@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
 
-from fulcrum.config import EngineConfig
+from fulcrum.config import DEFAULT_MAX_QUEUED_REQUESTS, EngineConfig
 from fulcrum.engine import LLMEngine, PromptType, check_request_ids
 from fulcrum.outputs import RequestFault, RequestOutput
 from fulcrum.sampling_params import RequestOutputKind, SamplingParams
@@ -187,7 +187,7 @@ class AsyncLLM:
         """Raise if the engine is dead, or if `num_requests` more would overfill the queue."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
-        limit = self.config.max_queued_requests
+        limit = self.config.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS
         if num_requests > limit:
             raise ValueError(f"this request makes {num_requests} engine requests (prompts x n),"
                              f" more than may ever wait at once (max_queued_requests={limit})")
@@ -346,7 +346,7 @@ class AsyncLLM:
 
     def _run(self, config: EngineConfig, built: "concurrent.futures.Future[LLMEngine]") -> None:
         try:
-            self.engine = LLMEngine(config)
+            self.engine = LLMEngine(config, served=True)
         except BaseException as error:  # noqa: BLE001 - handed to the constructor's caller
             built.set_exception(error)
             return

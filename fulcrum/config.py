@@ -34,6 +34,8 @@ DEFAULT_CHUNK_FRACTION = 8
 # vLLM's largest block size; a huge one (10**6) was accepted and made start-up crawl for
 # minutes over two blocks of a million slots.
 MAX_BLOCK_SIZE = 128
+# Requests that may wait to run in the server before it answers 503.
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
 def _is_number(value: object) -> bool:
@@ -89,7 +91,8 @@ class EngineConfig:
     # Request limits (see the README's "Security and limits").
     max_logprobs: int = 20
     max_n: int = 128
-    max_queued_requests: int = 1024
+    # The server's alone (AsyncLLM's admission); None: DEFAULT_MAX_QUEUED_REQUESTS there.
+    max_queued_requests: Optional[int] = None
     # A model's own sampling defaults: "auto" (its generation_config.json, if any), "vllm"
     # (none: the library's), or a folder holding a generation_config.json.
     generation_config: str = "auto"

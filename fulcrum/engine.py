@@ -77,7 +77,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, served: bool = False) -> None:
+        """`served`: an AsyncLLM (the server) drives it, and bounds its queue by
+        max_queued_requests; any other caller queues all it is given, so there that
+        setting would change nothing and is refused."""
+        if config.max_queued_requests is not None and not served:
+            raise ValueError("max_queued_requests is a server setting (fulcrum serve bounds "
+                             "its waiting requests with it): offline, LLM and the engine queue "
+                             "every request they are given")
         model_dir = config.model
         load_format = config.load_format
         if model_dir is None:

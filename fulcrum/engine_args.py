@@ -49,8 +49,8 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks",
     "max_logprobs": "most logprobs (or top_logprobs) a request may ask for (default 20, vLLM's)",
     "max_n": "most completions (n) one request may ask for (default 128)",
-    "max_queued_requests": "most requests waiting to run; the server answers 503 with "
-                           "Retry-After beyond it (default 1024)",
+    "max_queued_requests": "serve only: most requests waiting to run; the server answers "
+                           "503 with Retry-After beyond it (default 1024)",
     "generation_config": "sampling defaults for unset request fields: auto (the model's "
                          "generation_config.json), vllm (none), or a folder holding one",
     "tensor_parallel_size": "split the model across this many ranks (processes; on CPU each "

@@ -457,3 +457,19 @@ def test_generate_names_what_it_takes(llm, prompts):
     with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, a dict "
                                         "or a list of those, got"):
         llm.generate(prompts, greedy(1), use_tqdm=False)
+
+
+def test_max_queued_requests_is_refused_offline(llama_dir, capsys):
+    """Only the server bounds its queue with it; LLM and the engine queue all they get."""
+    from fulcrum.cli import main
+    from fulcrum.config import EngineConfig
+    from fulcrum.engine import LLMEngine
+
+    refused = r"^max_queued_requests is a server setting \(fulcrum serve bounds its waiting"
+    with pytest.raises(ValueError, match=refused):
+        LLM(str(llama_dir), max_queued_requests=1)
+    with pytest.raises(ValueError, match=refused):
+        LLMEngine(EngineConfig(model=str(llama_dir), max_queued_requests=1))
+    assert main(["generate", str(llama_dir), "--prompt", "x", "--max-queued-requests", "1"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fulcrum generate: error: max_queued_requests is a server setting")
