@@ -15,7 +15,8 @@ from fulcrum.config import EngineConfig
 
 _HELP = {
     "tokenizer": "tokenizer folder (default: the model folder)",
-    "dtype": "auto (the checkpoint's), float32, bfloat16 or float16",
+    "dtype": "auto (the checkpoint's: a float32 one stays float32, unlike vLLM's auto, "
+             "which runs it in half precision), float32, bfloat16 or float16",
     "device": "auto, cpu or cuda",
     "seed": "seed for dummy weights and for requests without their own seed",
     "load_format": "auto, safetensors, pt (torch.load with weights_only=True) or dummy "
