@@ -170,3 +170,17 @@ def test_generate_starts_from_the_generation_config(llama_dir, tmp_path, capsys)
     longer = dataclasses.replace(defaults, max_tokens=5)
     assert text == llm.generate("hi", longer, use_tqdm=False)[0].outputs[0].text
     assert ", 5 generated, finish_reason=length," in summary
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--allowed-methods", '["GET"]'], "--allowed-methods"),
+    (["--allowed-headers", '["x-custom"]', "--allow-credentials"],
+     "--allowed-headers, --allow-credentials"),
+])
+def test_cors_flags_without_allowed_origins_are_refused(flags, named, capsys):
+    # Before any model loads: the model folder need not exist.
+    assert main(["serve", "/nonexistent", *flags]) == 2
+    assert capsys.readouterr().err == (
+        f"fulcrum serve: error: {named} shape CORS answers, which only --allowed-origins turns "
+        'on (fulcrum sends none by default, unlike vLLM, whose default origins are ["*"]): '
+        "give --allowed-origins too\n")

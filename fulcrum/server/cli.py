@@ -81,13 +81,16 @@ def register(subparsers) -> None:
                              "ids logged per request (default: all)")
     server.add_argument("--allowed-origins", type=string_list, default=None, metavar="JSON",
                         help='CORS: allowed origins as a JSON list, e.g. \'["*"]\' (default: '
-                             "no CORS headers)")
-    server.add_argument("--allowed-methods", type=string_list, default=["*"], metavar="JSON",
-                        help="CORS: allowed methods as a JSON list (default [\"*\"])")
-    server.add_argument("--allowed-headers", type=string_list, default=["*"], metavar="JSON",
-                        help="CORS: allowed headers as a JSON list (default [\"*\"])")
+                             'none, so no CORS headers at all; unlike vLLM, whose default is '
+                             '["*"]); the other CORS flags need it')
+    server.add_argument("--allowed-methods", type=string_list, default=None, metavar="JSON",
+                        help="CORS, with --allowed-origins: allowed methods as a JSON list "
+                             "(default [\"*\"])")
+    server.add_argument("--allowed-headers", type=string_list, default=None, metavar="JSON",
+                        help="CORS, with --allowed-origins: allowed headers as a JSON list "
+                             "(default [\"*\"])")
     server.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: allow credentials")
+                        help="CORS, with --allowed-origins: allow credentials")
     server.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=True,
                         help="serve the chat playground and live scheduler dashboard at / "
                              "(default on; --no-web-ui: API only)")
@@ -115,11 +118,24 @@ def served_model_names(args: argparse.Namespace) -> List[str]:
 
 
 def cors_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """CORSMiddleware's keywords, or None when no --allowed-origins was given."""
+    """CORSMiddleware's keywords, or None when no --allowed-origins was given: fulcrum then
+    sends no CORS headers (vLLM's default origins are "*"), so the other CORS flags would
+    change nothing and are refused."""
     if args.allowed_origins is None:
+        given = [flag for flag, value in (("--allowed-methods", args.allowed_methods),
+                                          ("--allowed-headers", args.allowed_headers),
+                                          ("--allow-credentials", args.allow_credentials or None))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape CORS answers, which only "
+                             "--allowed-origins turns on (fulcrum sends none by default, "
+                             "unlike vLLM, whose default origins are [\"*\"]): give "
+                             "--allowed-origins too")
         return None
-    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
-            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+    return {"allow_origins": args.allowed_origins,
+            "allow_methods": ["*"] if args.allowed_methods is None else args.allowed_methods,
+            "allow_headers": ["*"] if args.allowed_headers is None else args.allowed_headers,
+            "allow_credentials": args.allow_credentials}
 
 
 def show_request_log(args: argparse.Namespace) -> None:
@@ -160,13 +176,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     # The server's own options are checked before any model loads (in any replica).
     keys = api_keys(args)
+    cors = cors_options(args)
     template = load_chat_template(args.chat_template) if args.chat_template else None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     show_request_log(args)
     raise_open_file_limit()
     if args.data_parallel_size > 1:
-        return run_router(args)
+        return run_router(args, cors)
     from fulcrum.async_engine import AsyncLLM
     from fulcrum.server.api_server import build_app, listening_socket, serve
 
@@ -175,8 +192,7 @@ def run(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM.from_engine_args(**engine_kwargs(args))
     app = build_app(async_llm, served_model_names(args), keys,
                     args.max_request_body_bytes, args.trust_request_chat_template,
-                    args.enable_log_requests, template, parser, args.max_log_len,
-                    cors_options(args),
+                    args.enable_log_requests, template, parser, args.max_log_len, cors,
                     None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui,
                     args.enable_request_id_headers, args.chat_template_content_format)
     try:
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         async_llm.shutdown()
 
 
-def run_router(args: argparse.Namespace) -> int:
+def run_router(args: argparse.Namespace, cors: Optional[Dict[str, Any]]) -> int:
     import uvicorn
 
     from fulcrum.server.api_server import StoppableServer, listening_socket, run_on
@@ -203,7 +219,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     try:
         app = build_router_app(replicas.replicas, args.router_policy,
-                               args.max_request_body_bytes, cors_options(args),
+                               args.max_request_body_bytes, cors,
                                args.enable_request_id_headers, on_all_down=all_down)
         server = StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level))
         run_on(server, sock)

@@ -33,7 +33,9 @@ def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
     mine = copy.copy(args)
     mine.host, mine.port = host, port
     mine.data_parallel_size = 1
-    mine.allowed_origins = None  # browsers talk to the router
+    # Browsers talk to the router: no CORS at the replicas.
+    mine.allowed_origins = mine.allowed_methods = mine.allowed_headers = None
+    mine.allow_credentials = False
     mine.cores = list(cores) if cores else None
     return mine
 
