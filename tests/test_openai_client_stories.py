@@ -121,3 +121,50 @@ def test_vllm_400s(client):
         complete(client, extra_body={"priority": 1})
     with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
         complete(client, extra_body={"guided_regex": "("})
+
+
+def post(client, path: str, body: dict):
+    import httpx
+
+    return httpx.post(str(client.base_url).replace("/v1/", path), json=body, timeout=60)
+
+
+def chat_body(**extra) -> dict:
+    return {"model": "stories", "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 2, "temperature": 0.0, "return_token_ids": True, **extra}
+
+
+def test_chat_add_special_tokens_puts_the_tokenizers_own_around_the_template(client):
+    """vLLM's field, off for chat (the template writes what it needs): on, <s> comes first."""
+    rendered = token_ids(client, PROMPT + " ")  # TEMPLATE: each message's content and " "
+    plain = post(client, "/v1/chat/completions", chat_body()).json()
+    assert plain["prompt_token_ids"] == rendered
+    special = post(client, "/v1/chat/completions", chat_body(add_special_tokens=True)).json()
+    assert special["prompt_token_ids"] == [1] + rendered  # <s>
+    assert special["usage"]["prompt_tokens"] == len(rendered) + 1
+
+
+@pytest.mark.parametrize("path, field, value, why", [
+    ("/v1/chat/completions", "structural_tag",
+     json.dumps({"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
+                 "triggers": ["<a>"]}), "structural tags"),
+    ("/v1/completions", "prompt_embeds", "AAAA", "prompts given as embeddings"),
+    ("/v1/completions", "guided_decoding_backend", "outlines",
+     "a structured-output backend other than the server's, xgrammar"),
+])
+def test_vllm_fields_that_would_change_the_answer_are_400s_naming_them(client, path, field,
+                                                                       value, why):
+    body = chat_body() if "chat" in path else {"model": "stories", "prompt": PROMPT,
+                                                "max_tokens": 2}
+    answer = post(client, path, {**body, field: value})
+    assert answer.status_code == 400
+    assert answer.json() == {"error": {
+        "message": f"{field} is not supported ({why}): refused rather than answered without it",
+        "type": "BadRequestError", "param": field, "code": 400}}
+
+
+def test_the_servers_own_structured_output_backend_may_be_named(client):
+    answer = post(client, "/v1/completions", {
+        "model": "stories", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
+        "guided_decoding_backend": "xgrammar", "guided_regex": "[0-9]+"})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"].isdigit()

@@ -8,7 +8,7 @@ rejected with a 400 naming the field, never dropped silently.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -54,6 +54,8 @@ UNSERVED_VLLM_FIELDS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "logits_processors": (([],), "custom logits processors"),
     "documents": (([],), "documents for a retrieval template"),
     "kv_transfer_params": (({},), "disaggregated prefill's KV transfer"),
+    "guided_decoding_backend": (("xgrammar", "auto"), "a structured-output backend other "
+                                                      "than the server's, xgrammar"),
 }
 
 
@@ -61,6 +63,8 @@ class SamplingRequest(RequestBody):
     """Fields that completions and chat completions share, vLLM's extras included."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged
+    # What `unsupported` refuses (each endpoint adds those of its own).
+    UNSERVED: ClassVar[Dict[str, Tuple[Tuple[Any, ...], str]]] = UNSERVED_VLLM_FIELDS
 
     model: Optional[str] = None
     n: int = 1
@@ -112,7 +116,7 @@ class SamplingRequest(RequestBody):
 
     def unsupported(self) -> Optional[Tuple[str, str]]:
         """(field, why) when this request cannot be served as asked."""
-        for name, (neutral, what) in UNSERVED_VLLM_FIELDS.items():
+        for name, (neutral, what) in self.UNSERVED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value not in neutral:
                 return name, (f"{name} is not supported ({what}): refused rather than "
@@ -213,6 +217,8 @@ PromptInput = Union[str, List[str], List[int], List[List[int]]]
 
 
 class CompletionRequest(SamplingRequest):
+    UNSERVED = {**UNSERVED_VLLM_FIELDS, "prompt_embeds": ((), "prompts given as embeddings")}
+
     prompt: PromptInput
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
@@ -267,6 +273,8 @@ class _Conversation(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest, _Conversation):
+    UNSERVED = {**UNSERVED_VLLM_FIELDS, "structural_tag": ((), "structural tags")}
+
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -278,6 +286,9 @@ class ChatCompletionRequest(SamplingRequest, _Conversation):
     echo: bool = False  # vLLM's: the answer starts with the last message it continues
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the rendered text too; off, as
+    # the template writes its own.
+    add_special_tokens: bool = False
     tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=1024)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # OpenAI's: False allows one call a turn

@@ -575,13 +575,12 @@ class OpenAIServing:
         params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
         params = await self.off_loop_if(request.tool_mode in ("required", "named"),
                                         functools.partial(self._tool_params, request, params))
-        if request.chat_template is not None and not self.trust_request_chat_template:
-            raise APIError(400, "chat_template in a request is refused: start the server with "
-                                "--trust-request-chat-template to allow it", "chat_template")
+        self.check_request_template(request.chat_template)
         prompt = await self.render_chat(request.messages, request.add_generation_prompt,
-                                  request.chat_template, request.chat_template_kwargs,
-                                  request.tool_dicts, params.truncate_prompt_tokens,
-                                  request.continue_final_message)
+                                        request.chat_template, request.chat_template_kwargs,
+                                        request.tool_dicts, params.truncate_prompt_tokens,
+                                        request.continue_final_message,
+                                        request.add_special_tokens)
         params = await self.off_loop_if(_heavy(params, 0), functools.partial(  # (tokenized)
             self._check, [prompt], params, request))
         generation = _Generation([prompt], request.n)
@@ -698,6 +697,12 @@ class OpenAIServing:
         return tool_calls.ToolCallStream(mode, self.tool_parser, request.forced_function,
                                          request.parallel_tool_calls is not False)
 
+    def check_request_template(self, chat_template: Optional[str]) -> None:
+        """A request's own chat template is refused unless the server trusts them."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: start the server with "
+                                "--trust-request-chat-template to allow it", "chat_template")
+
     async def off_loop_if(self, heavy: bool, function: Callable[[], T],
                           slots: Optional[asyncio.Semaphore] = None) -> T:
         """`function()`, on a thread of its own where `heavy`, as many at once as `slots`
@@ -712,17 +717,20 @@ class OpenAIServing:
                           template_kwargs: Optional[Dict[str, Any]] = None,
                           tools: Optional[List[Dict[str, Any]]] = None,
                           truncate: Optional[int] = None,
-                          continue_final_message: bool = False) -> EnginePrompt:
+                          continue_final_message: bool = False,
+                          add_special_tokens: bool = False) -> EnginePrompt:
         """(text, token ids) of a conversation through the model's chat template (its last
-        `truncate` tokens, if given), rendered off the event loop, MAX_RENDERS at once."""
+        `truncate` tokens, if given; with the tokenizer's special tokens where
+        `add_special_tokens`), rendered off the event loop, MAX_RENDERS at once."""
         return await self.off_loop_if(True, functools.partial(
             self._render_chat, messages, add_generation_prompt, chat_template,
-            template_kwargs, tools, truncate, continue_final_message), self._renders)
+            template_kwargs, tools, truncate, continue_final_message, add_special_tokens),
+            self._renders)
 
     def _render_chat(self, messages: List[ChatMessage], add_generation_prompt: bool,
                      chat_template: Optional[str], template_kwargs: Optional[Dict[str, Any]],
                      tools: Optional[List[Dict[str, Any]]], truncate: Optional[int],
-                     continue_final_message: bool) -> EnginePrompt:
+                     continue_final_message: bool, add_special_tokens: bool) -> EnginePrompt:
         tokenizer = self.llm.tokenizer
         kwargs = dict(template_kwargs or {})
         if tools:
@@ -734,7 +742,7 @@ class OpenAIServing:
             text = tokenizer.apply_chat_template([m.template_dict(form) for m in messages],
                                                  add_generation_prompt, template,
                                                  continue_final_message, **kwargs)
-            token_ids = self.llm.engine.encode(text, False, truncate)
+            token_ids = self.llm.engine.encode(text, add_special_tokens, truncate)
             return self.llm.process_prompt({"prompt": text, "prompt_token_ids": token_ids},
                                            truncate)
         except (ValueError, TypeError, *TEMPLATE_ERRORS) as error:  # a template's own
