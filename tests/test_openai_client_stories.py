@@ -168,3 +168,34 @@ def test_the_servers_own_structured_output_backend_may_be_named(client):
         "model": "stories", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
         "guided_decoding_backend": "xgrammar", "guided_regex": "[0-9]+"})
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"].isdigit()
+
+
+def test_tokenize_takes_vllms_fields(client):
+    """add_special_tokens (vLLM's defaults: on for a prompt, off for messages), a request's
+    chat template under the rule chat completions follow (untrusted here: refused), its
+    template kwargs, and return_token_strs."""
+    messages = [{"role": "user", "content": PROMPT}]
+    rendered = token_ids(client, PROMPT + " ")
+    assert post(client, "/tokenize", {"messages": messages}).json()["tokens"] == rendered
+    special = post(client, "/tokenize", {"messages": messages, "add_special_tokens": True})
+    assert special.json()["tokens"] == [1] + rendered and special.json()["count"] == len(
+        rendered) + 1
+    assert post(client, "/tokenize", {"prompt": PROMPT}).json()["tokens"] == [1] + token_ids(
+        client, PROMPT)
+    named = post(client, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert named["token_strs"] == ["<s>", "▁Once", "▁upon", "▁a", "▁time"]
+    assert post(client, "/tokenize", {"prompt": PROMPT}).json()["token_strs"] is None
+    for body, message in (
+            ({"messages": messages, "chat_template": "{{ 'X' }}"},
+             "chat_template in a request is refused: start the server with "
+             "--trust-request-chat-template to allow it"),
+            ({"prompt": PROMPT, "chat_template_kwargs": {"x": 1}},
+             "chat_template and chat_template_kwargs go with messages, not prompt")):
+        refused = post(client, "/tokenize", body)
+        assert refused.status_code == 400
+        assert refused.json() == {"error": {"message": message, "type": "BadRequestError",
+                                            "param": "chat_template", "code": 400}}
+    reserved = post(client, "/tokenize", {"messages": messages,
+                                          "chat_template_kwargs": {"messages": []}})
+    assert reserved.status_code == 400 and "chat_template_kwargs cannot set messages" in (
+        reserved.json()["error"]["message"])

@@ -564,6 +564,12 @@ def test_a_trusted_request_chat_template_renders_and_its_errors_are_400(llama_di
             broken = httpx.post(url, json={"messages": CHAT, "max_tokens": 1,
                                            "chat_template": template})
             assert broken.status_code == 400, broken.text
+        # /tokenize renders a request's template and its kwargs as chat completions do.
+        tokenized = httpx.post(server.url + "/tokenize", json={
+            "messages": CHAT, "chat_template":
+                "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "chat_template_kwargs": {"greeting": "Hey! "}}).json()
+        assert tokenized["count"] == len("Hey! Be brief.Hi there!")
         fine = httpx.post(url, json={"messages": CHAT, "max_tokens": 1, "chat_template":
                                      "{{ '-' * 3 }}{{ [1] * 2 }}{{ 2 ** 10 }}"})
         assert fine.status_code == 200 and fine.json()["usage"]["prompt_tokens"] == len(

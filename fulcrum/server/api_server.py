@@ -204,19 +204,28 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt and messages")
         if request.messages is not None:
+            serving.check_request_template(request.chat_template)
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
             _, tokens = await serving.render_chat(
-                request.messages, request.add_generation_prompt, tools=tools,
-                continue_final_message=request.continue_final_message)
+                request.messages, request.add_generation_prompt, request.chat_template,
+                request.chat_template_kwargs, tools,
+                continue_final_message=request.continue_final_message,
+                add_special_tokens=request.add_special_tokens is True)
+        elif request.chat_template is not None or request.chat_template_kwargs is not None:
+            raise APIError(400, "chat_template and chat_template_kwargs go with messages, "
+                                "not prompt", "chat_template")
         else:
             try:
                 tokens = await serving.off_loop_if(
                     len(request.prompt) > HEAVY_PROMPT_ITEMS,
-                    partial(llm.engine.encode, request.prompt, request.add_special_tokens))
+                    partial(llm.engine.encode, request.prompt,
+                            request.add_special_tokens is not False))
             except ValueError as error:
                 raise bad_request(error) from None
+        strings = ([llm.tokenizer.id_to_token(t) for t in tokens]
+                   if request.return_token_strs else None)
         return TokenizeResponse(count=len(tokens), max_model_len=llm.config.max_model_len,
-                                tokens=tokens)
+                                tokens=tokens, token_strs=strings)
 
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:

@@ -353,9 +353,15 @@ class TokenizeRequest(RequestBody, _Conversation):
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
     tools: Optional[List[ToolDefinition]] = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, the tokenizer's special tokens for a prompt and none for
+    # messages (as chat completions tokenize them: the template writes its own).
+    add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # With messages, as chat completions take them (a template only where trusted).
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    return_token_strs: bool = False  # vLLM's: each token's string too, in token_strs
 
 
 class DetokenizeRequest(RequestBody):
@@ -524,6 +530,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: List[int]
+    token_strs: Optional[List[str]] = None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):
