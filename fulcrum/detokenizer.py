@@ -168,9 +168,11 @@ class IncrementalDetokenizer:
         return self.output_text[:max(0, len(self.output_text) - self.hold_back)]
 
 
-def prompt_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int]) -> List[int]:
-    """Where each token starts in the text of `token_ids` (an echoed prompt, special tokens
-    skipped), counted as the detokenizer grows it."""
-    detokenizer = IncrementalDetokenizer(tokenizer, SamplingParams(), record_offsets=True)
+def prompt_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int],
+                        skip_special_tokens: bool = True) -> List[int]:
+    """Where each token starts in the text of `token_ids` (an echoed prompt, its special
+    tokens skipped unless asked), counted as the detokenizer grows it."""
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens), record_offsets=True)
     detokenizer.update(list(token_ids), check_stop=False)
     return detokenizer.text_offsets

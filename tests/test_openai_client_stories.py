@@ -199,3 +199,16 @@ def test_tokenize_takes_vllms_fields(client):
                                           "chat_template_kwargs": {"messages": []}})
     assert reserved.status_code == 400 and "chat_template_kwargs cannot set messages" in (
         reserved.json()["error"]["message"])
+
+
+def test_detokenize_and_an_echoed_token_id_prompt_keep_special_tokens(client):
+    """vLLM's text of token ids is tokenizer.decode(ids): <s> and </s> stay."""
+    assert post(client, "/detokenize", {"tokens": [1, 403, 2]}).json() == {
+        "prompt": "<s> Once</s>"}
+    assert post(client, "/detokenize", {"tokens": [1, 403, 2],
+                                        "skip_special_tokens": True}).json() == {"prompt": "Once"}
+    answer = complete(client, prompt=[1, 403, 407], max_tokens=2).choices[0].text
+    echoed = complete(client, prompt=[1, 403, 407], echo=True, logprobs=0,
+                      max_tokens=2).choices[0]
+    assert echoed.text == "<s> Once upon" + answer
+    assert echoed.logprobs.text_offset[:3] == [0, 3, 8]  # where "<s>", " Once", " upon" start

@@ -246,7 +246,8 @@ def post(server, **body):
 def test_the_template_sees_the_tools_and_the_tool_history(server):
     tokens = httpx.post(server.url + "/tokenize",
                         json={"messages": HISTORY, "tools": TOOLS}).json()["tokens"]
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+    text = httpx.post(server.url + "/detokenize", json={
+        "tokens": tokens, "skip_special_tokens": True}).json()["prompt"]
     assert json.dumps(WEATHER) in text and json.dumps(TIME) in text
     assert f"assistant\n{CALL}\n" in text  # the assistant's call, its arguments as JSON
     assert "user\n<tool_response>\nsunny, 21\n</tool_response>\nassistant\n" in text

@@ -367,7 +367,8 @@ class TokenizeRequest(RequestBody, _Conversation):
 class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: List[int]
-    skip_special_tokens: bool = True  # False shows a chat template's special tokens too
+    # vLLM's /detokenize is tokenizer.decode(ids): special tokens kept. True drops them.
+    skip_special_tokens: bool = False
 
 
 # ------------------------------------------------------------------ responses

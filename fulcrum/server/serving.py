@@ -211,25 +211,31 @@ class _Choice:
 class _Generation:
     """The choices of one API request, fed with the engine outputs of its prompts. Given a
     `tokenizer` (for the completions API's logprobs), an echoed prompt's tokens get their
-    text offsets too."""
+    text offsets too; `decoded`: which prompts' texts are their token ids decoded (given as
+    ids, or truncated), special tokens kept, as their offsets then are."""
 
     def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
-                 tokenizer: Optional[Tokenizer] = None) -> None:
+                 tokenizer: Optional[Tokenizer] = None,
+                 decoded: Sequence[bool] = ()) -> None:
         self.n = n
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
+        decoded = list(decoded) or [False] * len(prompts)
         self.choices = [choice for index, prompt in enumerate(prompts)
-                        for choice in self._choices(index, prompt, echo, tokenizer)]
+                        for choice in self._choices(index, prompt, echo, tokenizer,
+                                                    decoded[index])]
         self.prompt_ids = [ids for _, ids in prompts]
         # Prompt tokens found in the prefix cache; None until the prompt's first output.
         self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
 
     def _choices(self, index: int, prompt: EnginePrompt, echo: bool,
-                 tokenizer: Optional[Tokenizer]) -> List[_Choice]:
+                 tokenizer: Optional[Tokenizer], decoded: bool) -> List[_Choice]:
         text, ids = prompt
         prefix = text if echo and text else ""
         echoed = ids if echo else []
-        # An echoed prompt is the prompt's text, without the special tokens added to it.
-        offsets = prompt_text_offsets(tokenizer, ids) if prefix and tokenizer else []
+        # An echoed prompt is the prompt's text, without the special tokens added to it; a
+        # decoded one keeps them (as vLLM's text of token ids).
+        offsets = (prompt_text_offsets(tokenizer, ids, skip_special_tokens=not decoded)
+                   if prefix and tokenizer else [])
         return [_Choice(index * self.n + j, prefix, echoed, prompt_offsets=offsets)
                 for j in range(self.n)]
 
@@ -505,7 +511,8 @@ class OpenAIServing:
             prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
             return prompts, self._check(prompts, params, request), _Generation(
                 prompts, request.n, request.echo,
-                None if request.logprobs is None else self.llm.tokenizer)
+                None if request.logprobs is None else self.llm.tokenizer,
+                [given != text for given, (text, _) in zip(request.prompts(), prompts)])
 
         given = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in given)
@@ -557,12 +564,15 @@ class OpenAIServing:
 
     def _engine_prompt(self, prompt: Union[str, List[int]], add_special: bool,
                        truncate: Optional[int]) -> EnginePrompt:
-        """(text, token ids) of one prompt, checked against the model's limits."""
+        """(text, token ids) of one prompt, checked against the model's limits; the text of
+        token ids keeps their special tokens, as vLLM's (tokenizer.decode(ids))."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt,
                       "prompt_token_ids": self.llm.engine.encode(prompt, add_special, truncate)}
         text, token_ids = self.llm.process_prompt(prompt, truncate)
-        return (text if text is not None else self.llm.tokenizer.decode(token_ids)), token_ids
+        if text is None:
+            text = self.llm.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return text, token_ids
 
     # --------------------------------------------------------------- chat
     async def create_chat_completion(self, request: ChatCompletionRequest,
