@@ -115,8 +115,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     # vLLM: which tokenizer implementation; fulcrum has one, tokenizer.json (only "auto").
     tokenizer_mode: str = "auto"
-    # vLLM: no periodic stats line from the server, and no metrics from LLM (whose default
-    # is True, as in vLLM).
+    # vLLM: no periodic stats line and no engine series on /metrics from the server, and no
+    # metrics from LLM (whose default is True, as in vLLM).
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -66,7 +66,8 @@ _HELP = {
                     "step reads, int8 dot products; the LM head included)",
     "trust_remote_code": "vLLM's; fulcrum runs no code from model folders (only off)",
     "tokenizer_mode": "vLLM's; only auto (the model's tokenizer.json)",
-    "disable_log_stats": "no periodic stats line from the server (vLLM's)",
+    "disable_log_stats": "no engine stats (vLLM's): no periodic stats line and no engine "
+                         "series on /metrics in the server, no LLM.get_metrics()",
 }
 
 

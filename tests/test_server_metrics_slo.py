@@ -371,3 +371,18 @@ def test_step_histograms_match_the_engine_steps(served):
     assert after[("fulcrum:last_step_time_seconds", ())] == pytest.approx(last.wall_seconds)
     assert after[("fulcrum:last_step_time_predicted_seconds", ())] == pytest.approx(
         last.predicted_seconds)
+
+
+def test_disable_log_stats_leaves_no_engine_series(llama_dir):
+    """vLLM's disable_log_stats: no stat loggers, Prometheus's included. The process's series
+    stay, and so does the dashboard (it reads the engine's own records, not the metrics)."""
+    with running_server(llama_dir, MODEL, disable_log_stats=True) as (server, _):
+        done = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert done.status_code == 200
+        page = httpx.get(server.url + "/metrics")
+        assert page.status_code == 200
+        names = {family.name for family in text_string_to_metric_families(page.text)}
+        assert "process_resident_memory_bytes" in names
+        assert all(name.startswith("process_") for name in names), names
+        state = httpx.get(server.url + "/dashboard/state", params={"since": -1}).json()
+        assert state["steps"] and state["latency"]["finished"] == 1

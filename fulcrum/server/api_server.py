@@ -26,7 +26,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector,
+                               generate_latest)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fulcrum import __version__
@@ -118,15 +119,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
     the playground and dashboard page at / (see dashboard.py). `request_id_headers`: every
     response carries X-Request-Id (--enable-request-id-headers).
     `chat_template_content_format`: how templates read message content (see
-    chat_template.content_format)."""
+    chat_template.content_format). An engine with disable_log_stats keeps no metrics: /metrics
+    has the process's series alone (vLLM's, which then has no stat loggers)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    metrics = ServerMetrics(async_llm, names[0])
+    # vLLM's disable_log_stats: no stat loggers, so no engine series on /metrics either.
+    metrics = None if async_llm.config.disable_log_stats else ServerMetrics(async_llm, names[0])
     serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
                             chat_template, tool_call_parser, max_log_len, metrics,
                             chat_template_content_format)
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine",
-                  lifespan=_lifespan(StatsLogger(async_llm, metrics, stats_interval)))
+                  lifespan=_lifespan(StatsLogger(async_llm, metrics,
+                                                 stats_interval if metrics else None)))
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.draining = False
@@ -180,10 +184,16 @@ def _openai_routes(serving: OpenAIServing, api_keys: Sequence[str]) -> APIRouter
     return router
 
 
-def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
+def _utility_routes(serving: OpenAIServing, metrics: Optional[ServerMetrics],
                     is_draining: Callable[[], bool]) -> APIRouter:
     router = APIRouter()
     llm = serving.llm
+    if metrics is not None:
+        render = metrics.render
+    else:  # the process's own series alone
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        render = partial(generate_latest, registry)
 
     @router.get("/health")
     async def health() -> Response:
@@ -196,7 +206,7 @@ def _utility_routes(serving: OpenAIServing, metrics: ServerMetrics,
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render(), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

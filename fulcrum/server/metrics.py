@@ -54,11 +54,12 @@ class ServerMetrics(EngineMetrics):
 
 
 class StatsLogger:
-    """vLLM's periodic stats line: every `interval` seconds (None: never), the prompt and
-    generation throughput since the last line, the queues, the KV cache's use and the prefix
-    cache's hit rate. Quiet while the server is idle."""
+    """vLLM's periodic stats line: every `interval` seconds (None: never; it must be None
+    without `metrics`), the prompt and generation throughput since the last line, the
+    queues, the KV cache's use and the prefix cache's hit rate. Quiet while the server is
+    idle."""
 
-    def __init__(self, async_llm: AsyncLLM, metrics: EngineMetrics,
+    def __init__(self, async_llm: AsyncLLM, metrics: Optional[EngineMetrics],
                  interval: Optional[float]) -> None:
         self.async_llm, self.metrics, self.interval = async_llm, metrics, interval
 
