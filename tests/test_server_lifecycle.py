@@ -5,6 +5,7 @@ the engine's death (clients get errors, `serve` returns 1 so a supervisor restar
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List
+from typing import Iterator, List, Tuple
 
 import httpx
 
@@ -97,12 +98,16 @@ def test_several_api_keys_from_flags_or_environment(llama_dir, monkeypatch):
 
 
 # ------------------------------------------------------------------- shutdown
-def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
+@contextlib.contextmanager
+def serving_process(model_dir, *flags: str,
+                    start_timeout: float = 90) -> Iterator[Tuple[subprocess.Popen, str]]:
+    """(process, URL): `fulcrum serve` in a process of its own, once healthy; killed on
+    leaving if it still runs."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "fulcrum", "serve", str(llama_dir), "--port", str(port),
-         "--shutdown-timeout", "1", "--max-num-seqs", "1", "--uvicorn-log-level", "warning"],
+        [sys.executable, "-m", "fulcrum", "serve", str(model_dir), "--port", str(port), *flags,
+         "--uvicorn-log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         def healthy() -> bool:
@@ -112,7 +117,17 @@ def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
                 assert process.poll() is None, process.stdout.read().decode()
                 return False
 
-        wait_until(healthy, 90, "the server to start")
+        wait_until(healthy, start_timeout, "the server to start")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
+    with serving_process(llama_dir, "--shutdown-timeout", "1",
+                         "--max-num-seqs", "1") as (process, url):
         # One request runs at a time: the short one first, then eight long ones in turn,
         # far more work than the one second the server gives them once signalled.
         with concurrent.futures.ThreadPoolExecutor(9) as pool:
@@ -130,13 +145,9 @@ def test_sigterm_drains_then_aborts_and_exits_zero(llama_dir):
             assert finish(short.result(30)) == ("length", 8)
             ends = [finish(future.result(30)) for future in longs]
         assert process.wait(30) == 0
-        assert all(reason in ("length", "abort") for reason, _ in ends)
-        aborted = [chunks for reason, chunks in ends if reason == "abort"]
-        assert len(aborted) >= 6 and all(chunks < 480 for chunks in aborted)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    assert all(reason in ("length", "abort") for reason, _ in ends)
+    aborted = [chunks for reason, chunks in ends if reason == "abort"]
+    assert len(aborted) >= 6 and all(chunks < 480 for chunks in aborted)
 
 
 def _gauge(url: str, name: str) -> float:
@@ -185,17 +196,18 @@ def test_engine_death_fails_clients_and_serve_returns_one(llama_dir):
 
 STOPPED_BY_SIGTERM = """
 import os, signal, threading
-import uvicorn
 from fastapi import FastAPI
-from fulcrum.server.api_server import StoppableServer, listening_socket, run_on
-server = StoppableServer(uvicorn.Config(FastAPI(), log_level="warning"))
+from fulcrum.server.api_server import GracefulServer, listening_socket, run_on
+async def drain(timeout):
+    return 0
+server = GracefulServer(FastAPI(), 30.0, "warning", drain)
 def stop_when_started():
     while not server.started:
         threading.Event().wait(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=stop_when_started, daemon=True).start()
 run_on(server, listening_socket("127.0.0.1", 0))
-print("RETURNED")
+print("RETURNED", server.exit_code)
 """
 
 
@@ -205,4 +217,35 @@ def test_a_server_stopped_by_sigterm_exits_zero():
     done = subprocess.run([sys.executable, "-c", STOPPED_BY_SIGTERM], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "RETURNED" in done.stdout
+    assert "RETURNED 0" in done.stdout
+
+
+def test_the_data_parallel_router_drains_as_a_server_does(llama_dir):
+    """--shutdown-timeout behind the router: new calls get 503 at once, requests in flight
+    get the timeout, then the rest are closed (their replicas abort them) and it exits 0."""
+    with serving_process(llama_dir, "--data-parallel-size", "2", "--shutdown-timeout", "1",
+                         "--max-num-seqs", "1", start_timeout=240) as (process, url):
+        # One request runs at a time on each replica: far more work than the one second the
+        # server gives it once signalled (the stream waits behind the others).
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            plain = [pool.submit(httpx.post, url + "/v1/completions", timeout=60,
+                                 json={**LONG, "max_tokens": 480}) for _ in range(6)]
+            time.sleep(0.5)
+            streamed = pool.submit(stream_events, url, {**LONG, "max_tokens": 480})
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(url + "/health").status_code == 503, 5, "draining")
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            answers = [future.result(60) for future in plain]
+            events = streamed.result(60)
+        assert process.wait(60) == 0
+        assert time.monotonic() - signalled < 30
+    closed = {"error": {"message": "the server shut down before the answer came "
+                                   "(--shutdown-timeout)", "type": "ServiceUnavailableError",
+                        "param": None, "code": 503}}
+    assert all(a.status_code in (200, 503) for a in answers)
+    assert sum(a.status_code == 503 for a in answers) >= 4
+    assert all(a.json() == closed for a in answers if a.status_code == 503)
+    assert events[-2:] == [closed, None]  # a stream ends with the error, then [DONE]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Dict, Optional, Sequence, Union
 
 import contextlib
 from functools import partial
@@ -290,18 +289,22 @@ class BackgroundServer:
 class GracefulServer(uvicorn.Server):
     """uvicorn, with vLLM's shutdown: on SIGTERM or SIGINT the app stops taking API calls
     (503) and /health turns 503, requests in flight get up to `shutdown_timeout` seconds to
-    finish, the rest are aborted (finish reason "abort"), and `serve` returns 0 instead of
-    re-raising the signal. A second signal skips the wait. If the engine dies, the server
-    stops at once and `serve` returns 1, so a supervisor restarts it."""
+    finish, then `drain` ends the rest (a server aborts them: finish reason "abort"; the
+    data-parallel router closes them, which aborts them at their replicas), and `serve`
+    returns 0 instead of re-raising the signal. A second signal skips the wait. `stop(1)`
+    (the engine died, or every replica) stops it at once, so a supervisor restarts it.
+    `drain(timeout)` waits up to `timeout` seconds and returns how many requests it ended."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
-        super().__init__(config)
+    def __init__(self, app: FastAPI, shutdown_timeout: float, log_level: str,
+                 drain: Callable[[float], Awaitable[int]]) -> None:
+        super().__init__(uvicorn.Config(app, log_level=log_level,
+                                        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
         self.app = app
         self.shutdown_timeout = shutdown_timeout
+        self.drain = drain
         self.exit_code = 0
         self._drain: Optional[asyncio.Future] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        app.state.async_llm.add_dead_listener(self._engine_died)
 
     async def serve(self, sockets: Optional[list] = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -324,19 +327,18 @@ class GracefulServer(uvicorn.Server):
         logger.warning("shutting down: letting requests in flight finish for up to %.0f s",
                        self.shutdown_timeout)
         try:
-            await asyncio.shield(asyncio.ensure_future(self._drain_engine(self.shutdown_timeout)))
+            await asyncio.shield(asyncio.ensure_future(self._end_requests(self.shutdown_timeout)))
         except asyncio.CancelledError:  # a second signal: abort what is left now
-            await self._drain_engine(0.0)
+            await self._end_requests(0.0)
         self.should_exit = True
 
-    async def _drain_engine(self, timeout: float) -> None:
-        aborted = await self.app.state.async_llm.drain(timeout)
+    async def _end_requests(self, timeout: float) -> None:
+        aborted = await self.drain(timeout)
         if aborted:
             logger.warning("aborted %d requests still running at shutdown", aborted)
 
-    def _engine_died(self, error: BaseException) -> None:
-        logger.error("the engine died (%r); stopping the server", error)
-        self.exit_code = 1
+    def stop(self, exit_code: int) -> None:
+        self.exit_code = exit_code
         self.should_exit = True
 
 
@@ -359,8 +361,14 @@ def serve(app: FastAPI, sock: socket.socket,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "info") -> int:
     """Serve on `sock` (see listening_socket) until a signal (exit status 0) or the engine's
     death (1)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
-    server = GracefulServer(config, app, shutdown_timeout)
+    async_llm = app.state.async_llm
+    server = GracefulServer(app, shutdown_timeout, log_level, async_llm.drain)
+
+    def engine_died(error: BaseException) -> None:
+        logger.error("the engine died (%r); stopping the server", error)
+        server.stop(1)
+
+    async_llm.add_dead_listener(engine_died)
     run_on(server, sock)
     return server.exit_code
 
@@ -372,14 +380,3 @@ def run_on(server: uvicorn.Server, sock: socket.socket) -> None:
         "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
         f"[{host}]" if ":" in host else host, port)
     server.run(sockets=[sock])
-
-
-class StoppableServer(uvicorn.Server):
-    """uvicorn, but stopped by SIGTERM or SIGINT its process exits 0: uvicorn itself raises
-    the signal again once it has shut down, so the process ended with status 143 (130), as
-    if killed. A second SIGINT forces the exit, as in uvicorn."""
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        self.should_exit = True

@@ -202,27 +202,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_router(args: argparse.Namespace, cors: Optional[Dict[str, Any]]) -> int:
-    import uvicorn
-
-    from fulcrum.server.api_server import StoppableServer, listening_socket, run_on
+    """The router in front of the replicas, drained on a signal as a single server is (see
+    GracefulServer); the replicas are stopped only then."""
+    from fulcrum.server.api_server import GracefulServer, listening_socket, run_on
     from fulcrum.server.replicas import start_replicas
     from fulcrum.server.router import build_router_app
 
     sock = listening_socket(args.host, args.port)
     replicas = start_replicas(args, args.data_parallel_size, args.data_parallel_backend)
-    exit_code = 0
-
-    def all_down() -> None:  # as a server whose engine died: stop with status 1
-        nonlocal exit_code
-        exit_code = 1
-        server.should_exit = True
-
     try:
         app = build_router_app(replicas.replicas, args.router_policy,
                                args.max_request_body_bytes, cors,
-                               args.enable_request_id_headers, on_all_down=all_down)
-        server = StoppableServer(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+                               args.enable_request_id_headers,
+                               on_all_down=lambda: server.stop(1))  # as an engine's death
+        server = GracefulServer(app, args.shutdown_timeout, args.uvicorn_log_level,
+                                app.state.drain)
         run_on(server, sock)
-        return exit_code
+        return server.exit_code
     finally:
         replicas.stop()

@@ -53,6 +53,13 @@ def run_replica(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_process_replica(args: argparse.Namespace) -> int:
+    """A spawned replica, in a session of its own: a terminal's Ctrl-C (sent to its whole
+    process group) reaches the router alone, which drains before it stops the replicas."""
+    os.setsid()
+    return run_replica(args)
+
+
 def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
@@ -147,7 +154,7 @@ def _start_processes(args: argparse.Namespace, count: int) -> ReplicaSet:
     for index, cores in enumerate(split_cores(count)):
         port = free_port()
         # Not a daemon: a replica may start processes of its own (tensor-parallel ranks).
-        process = context.Process(target=run_replica, name=f"fulcrum-dp-replica{index}",
+        process = context.Process(target=_run_process_replica, name=f"fulcrum-dp-replica{index}",
                                   args=(replica_args(args, index, "127.0.0.1", port, cores),))
         process.start()
         replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))

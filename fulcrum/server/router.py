@@ -15,16 +15,19 @@ fail with an error (a 502, or an error event in a stream), the others go on; onc
 left the router stops (`on_all_down`), so that a supervisor can restart the whole. A request
 a replica takes no connection for goes to another (a refused connection alone takes no
 replica out: it may be the router's own doing). A client that hangs up stops its request at
-the replica too, streamed or not.
+the replica too, streamed or not. On shutdown the router drains as a single server does
+(`drain`, run by api_server.GracefulServer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
+import time
 from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence,
                     Tuple, TypeVar)
 
@@ -36,7 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fulcrum.server.middleware import BodyGuard, RequestIdHeader, error_response, http_error
+from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, error_response,
+                                       http_error)
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
 from fulcrum.server.serving import CLIENT_CLOSED_REQUEST, APIError, first_of, wait_for_disconnect
@@ -49,6 +53,7 @@ BALANCE_ABS = 32
 MONITOR_INTERVAL_S = 0.5
 HEALTH_INTERVAL_S = 2.0  # between a replica's /health probes
 HEALTH_TIMEOUT_S = 10.0  # a replica that answers none for this long is stuck
+CLOSE_TIMEOUT_S = 5.0  # the most a shutdown waits for the requests it closed to end
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 T = TypeVar("T")
 
@@ -60,6 +65,11 @@ class RoutingPolicy:
         self.name, self.replicas = name, replicas
         self.tree = PrefixTree()
         self._turn = itertools.count()
+        # Set when a shutdown's wait is over: what is still in flight is closed.
+        self.closing = asyncio.Event()
+
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
 
     def in_service(self, refused: Sequence[Replica] = ()) -> List[Replica]:
         """The replicas in service that have not `refused` a request's connection; an
@@ -169,6 +179,21 @@ class _Merged:
         return iter(families.values())
 
 
+async def drain(routing: RoutingPolicy, timeout: float) -> int:
+    """Let the requests in flight finish for up to `timeout` seconds, then close the rest
+    (each replica aborts a request whose connection closes, and its client gets a 503 or,
+    mid-stream, an error event); return how many were closed."""
+    deadline = time.monotonic() + timeout
+    while routing.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = routing.in_flight()
+    routing.closing.set()
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    while routing.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return left
+
+
 def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
                      max_request_body_bytes: int = 16 << 20,
                      cors: Optional[Dict[str, Any]] = None,
@@ -177,7 +202,8 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
                      on_all_down: Optional[Callable[[], None]] = None) -> FastAPI:
     """The router's app; `cors`: CORSMiddleware's keywords (None: no CORS headers);
     `request_id_headers`: X-Request-Id on the router's own answers too (502s, /health);
-    `on_all_down`: called once no replica is left in service."""
+    `on_all_down`: called once no replica is left in service. While `app.state.draining`
+    (a shutdown: see `drain`, `app.state.drain`), API calls get 503 and so does /health."""
     routing = RoutingPolicy(policy, replicas)
     metrics = RouterMetrics(replicas)
     # No cap on connections: each request in flight holds one (httpx's default of 100 made
@@ -199,6 +225,8 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
 
     app = FastAPI(title="fulcrum router", lifespan=lifespan)
     app.state.routing = routing
+    app.state.draining = False
+    app.state.drain = functools.partial(drain, routing)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
@@ -210,7 +238,7 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     async def health() -> Response:
         states = [{"engine": r.index, "healthy": r.healthy, "in_flight": r.in_flight,
                    **({"error": r.error} if r.error else {})} for r in replicas]
-        ok = any(r.healthy for r in replicas)
+        ok = any(r.healthy for r in replicas) and not app.state.draining
         return JSONResponse({"replicas": states}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -239,6 +267,7 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
                                           request, await request.body())
         return answer
 
+    app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
     app.add_middleware(BodyGuard, max_bytes=max_request_body_bytes)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
@@ -251,8 +280,16 @@ class _ClientLeft(Exception):
     """The client hung up before the answer came."""
 
 
+class _Closing(Exception):
+    """A shutdown closed the request before the answer came."""
+
+
 class _ReplicaGone(Exception):
     """The replica went out of service before the answer came."""
+
+
+def _closed() -> APIError:
+    return APIError(503, "the server shut down before the answer came (--shutdown-timeout)")
 
 
 async def _forward_to_one(client: httpx.AsyncClient, routing: RoutingPolicy,
@@ -285,16 +322,18 @@ async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: R
     relayed = False  # the relay then counts the request out and closes the answer
     replica.in_flight += 1
     try:
-        answer = await _watched(request, replica, client.send(outgoing, stream=True))
+        answer = await _watched(request, routing, replica, client.send(outgoing, stream=True))
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             relayed = True
             return StreamingResponse(_relay(routing, replica, answer),
                                      status_code=answer.status_code, headers=kept)
-        content = await _watched(request, replica, answer.aread())
+        content = await _watched(request, routing, replica, answer.aread())
         return Response(content, status_code=answer.status_code, headers=kept)
     except _ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except _Closing:
+        return error_response(_closed())
     except httpx.ConnectError:
         raise
     except (_ReplicaGone, httpx.HTTPError) as error:
@@ -306,13 +345,18 @@ async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: R
                 await answer.aclose()
 
 
-async def _watched(request: Request, replica: Replica, work: Awaitable[T]) -> T:
+async def _watched(request: Request, routing: RoutingPolicy, replica: Replica,
+                   work: Awaitable[T]) -> T:
     """`work`'s result; _ClientLeft if the client hangs up first, _ReplicaGone if the replica
-    goes out of service first. `work` is then cancelled: the connection it had open is
-    dropped, which the replica takes for its client leaving (and aborts the request)."""
-    done, result = await first_of(work, wait_for_disconnect(request), replica.gone.wait())
+    goes out of service first, _Closing if a shutdown closes it first. `work` is then
+    cancelled: the connection it had open is dropped, which the replica takes for its
+    client leaving (and aborts the request)."""
+    done, result = await first_of(work, wait_for_disconnect(request), replica.gone.wait(),
+                                  routing.closing.wait())
     if done:
         return result
+    if routing.closing.is_set():
+        raise _Closing()
     raise _ReplicaGone() if replica.gone.is_set() else _ClientLeft()
 
 
@@ -320,13 +364,15 @@ async def _relay(routing: RoutingPolicy, replica: Replica,
                  answer: httpx.Response) -> AsyncIterator[bytes]:
     """A replica's event stream, passed through; if the replica fails or goes out of service
     mid-stream (the answer is then closed under the read), an error event and the end of
-    the stream: a client never waits on a dead or stuck replica."""
-    closer = asyncio.ensure_future(_close_when_gone(replica, answer))
+    the stream: a client never waits on a dead or stuck replica. A shutdown's close ends it
+    the same way."""
+    closer = asyncio.ensure_future(_close_when_gone(routing, replica, answer))
     try:
         async for piece in answer.aiter_raw():
             yield piece
     except httpx.HTTPError as error:
-        failure = _failure(routing, replica, error, " mid-stream")
+        failure = (_closed() if routing.closing.is_set()
+                   else _failure(routing, replica, error, " mid-stream"))
         yield f"data: {failure.body().model_dump_json()}\n\ndata: [DONE]\n\n".encode()
     finally:
         closer.cancel()
@@ -334,8 +380,9 @@ async def _relay(routing: RoutingPolicy, replica: Replica,
         await answer.aclose()
 
 
-async def _close_when_gone(replica: Replica, answer: httpx.Response) -> None:
-    await replica.gone.wait()
+async def _close_when_gone(routing: RoutingPolicy, replica: Replica,
+                           answer: httpx.Response) -> None:
+    await first_of(replica.gone.wait(), routing.closing.wait())
     await answer.aclose()
 
 
