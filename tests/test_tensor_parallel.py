@@ -505,17 +505,19 @@ llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ext
 out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
                    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 print("TOKENS", json.dumps([o.outputs[0].token_ids for o in out]))
-llm.llm_engine.shutdown()
 """
 
 
-def test_tp2_under_torchrun_equals_tp1(stories_dir, tmp_path):
+@pytest.mark.parametrize("ending", ["llm.llm_engine.shutdown()", "del llm", ""])
+def test_tp2_under_torchrun_equals_tp1(stories_dir, tmp_path, ending):
+    """Rank 1 exits however rank 0's script ends: by shutting the engine down, by dropping
+    it, or by just ending (it waited for ever, and torchrun with it)."""
     import json
     import subprocess
     import sys
 
     script = tmp_path / "tp.py"
-    script.write_text(TORCHRUN_SCRIPT)
+    script.write_text(TORCHRUN_SCRIPT + ending + "\n")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(script), str(stories_dir), json.dumps(PROMPTS)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)

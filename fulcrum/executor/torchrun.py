@@ -1,11 +1,13 @@
 """Tensor parallelism under torchrun (vLLM's "external_launcher"): torchrun starts one process
 per rank and each runs the caller's script. Rank 0's engine drives; on the other ranks,
 building the engine serves rank 0 as a worker until rank 0 shuts down, then exits the process
-(their script goes no further than the LLM(...) or `fulcrum serve` call)."""
+(their script goes no further than the LLM(...) or `fulcrum serve` call). Rank 0 shuts down
+when its engine does, when it drops the engine, or when its script ends."""
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -44,9 +46,22 @@ class TorchrunExecutor(ParallelExecutor):
             Worker(wc, group).follow_driver()
             raise SystemExit(0)
         self._start_driver(wc, group)
+        # A script that ends, or drops its LLM, without shutting it down must still let the
+        # other ranks go: torchrun waits for every process.
+        self._farewell = weakref.finalize(self, _tell_ranks_to_exit, group)
 
     def _dead_ranks(self) -> str:
         return ""  # torchrun's processes: a dead one shows as a failed collective
 
     def _stop_ranks(self) -> None:
-        pass  # they exit once they receive the shutdown message
+        # they exit once they receive the shutdown message, which shutdown() has sent
+        farewell = getattr(self, "_farewell", None)
+        if farewell is not None:
+            farewell.detach()
+
+
+def _tell_ranks_to_exit(group) -> None:
+    try:
+        group.broadcast_object(None)
+    except Exception:  # noqa: BLE001 - a rank that is gone needs no message
+        pass
