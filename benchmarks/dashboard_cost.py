@@ -13,7 +13,6 @@ and how long one /dashboard/state answer takes.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import threading
 import time
@@ -23,7 +22,7 @@ import httpx
 import numpy as np
 
 from fulcrum.async_engine import AsyncLLM
-from fulcrum.bench.report import machine_facts
+from fulcrum.bench.report import machine_facts, results_name, write_results
 from fulcrum.bench.shapes import shape_dir
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server import BackgroundServer, build_app
@@ -60,6 +59,7 @@ async def decode_batch(llm: AsyncLLM, run: str) -> float:
 
 
 def main() -> None:
+    stem, command, _ = results_name("dashboard_cost.py", __doc__, "dashboard_cost")
     llm = AsyncLLM.from_engine_args(model=shape_dir("smollm2-135m"), load_format="dummy",
                                     dtype="bfloat16", max_model_len=512)
     runs = {name: [] for name in VARIANTS}
@@ -95,14 +95,12 @@ def main() -> None:
                       "machine": machine_facts()},
             "results": summary, "state_ms_median": statistics.median(latencies),
             "state_ms_p99": sorted(latencies)[int(0.99 * (len(latencies) - 1))]}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dashboard_cost.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = ["# What the live dashboard costs the engine", "",
              f"{NUM_REQUESTS} requests ({PROMPT}-token prompts, {OUTPUT} output tokens) decoding "
              "together behind `fulcrum serve`'s app (smollm2-135m shape, bf16, default "
              f"settings), {REPEATS} runs of each variant, alternating; "
              f"{data['setup']['machine']['date']}. Regenerate: "
-             "`python benchmarks/dashboard_cost.py`.", "",
+             f"`{command}`.", "",
              "| variant | decode step, median (ms) | vs nobody watching | run wall time, median (s) |",
              "|---|---:|---:|---:|"]
     for name, r in summary.items():
@@ -111,8 +109,7 @@ def main() -> None:
     lines += ["", f"One `/dashboard/state` answer: median {data['state_ms_median']:.1f} ms, p99 "
                   f"{data['state_ms_p99']:.1f} ms (over {len(latencies)} polls, from the "
                   "client, while the batch decodes)."]
-    (RESULTS / "dashboard_cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(RESULTS, stem, data, lines)
 
 
 if __name__ == "__main__":

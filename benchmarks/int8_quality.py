@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from fulcrum import LLM, SamplingParams
-from fulcrum.bench.report import machine_facts
+from fulcrum.bench.report import machine_facts, results_name, write_results
 
 ROOT = Path(__file__).resolve().parent
 MODEL = ROOT.parent.parent / "shared" / "models" / "stories260K"
@@ -49,6 +49,7 @@ def mean_kl(reference, other) -> float:
 
 
 def main() -> None:
+    stem, command, _ = results_name("int8_quality.py", __doc__, "int8_quality")
     cases = json.loads((MODEL / "greedy_reference.json").read_text())["cases"]
     bf16, int8, fp32 = llm(dtype="bfloat16"), llm(dtype="bfloat16", quantization="int8"), \
         llm(dtype="float32")
@@ -69,12 +70,9 @@ def main() -> None:
             "kl_bf16_int8": mean_kl(reference, distributions(int8, tokens)),
             "kl_fp32_bf16": mean_kl(distributions(fp32, tokens), reference),
             "machine": machine_facts()}
-    results = ROOT / "results"
-    results.mkdir(exist_ok=True)
-    (results / "int8_quality.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = ["# int8: quality on a real model", "",
              f"stories260K, bf16 with and without `--quantization int8`; "
-             f"{data['machine']['date']}; regenerate with `python benchmarks/int8_quality.py`.",
+             f"{data['machine']['date']}; regenerate with `{command}`.",
              "", "| measure | value |", "|---|---:|",
              f"| greedy answers identical to bf16 ({len(cases)} reference prompts) | "
              f"{100 * data['greedy_identical_share']:.0f}% |",
@@ -83,8 +81,7 @@ def main() -> None:
              f"| mean KL(bf16 ∥ int8) of next-token distributions ({len(tokens)} tokens of "
              f"text) | {data['kl_bf16_int8']:.5f} nats |",
              f"| for scale: mean KL(fp32 ∥ bf16) | {data['kl_fp32_bf16']:.5f} nats |"]
-    (results / "int8_quality.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(ROOT / "results", stem, data, lines)
 
 
 if __name__ == "__main__":

@@ -24,17 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "chunked prefill. Models are local Hugging Face folders; with none given, "
                     "the built-in default model (SmolLM2-135M-shaped, random weights) is used.")
     parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
-    parser.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default=None,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="default: INFO for serve (its periodic stats and start-up lines, "
+                             "as vLLM's), WARNING for the other commands")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
 
 
+def log_level(args: argparse.Namespace) -> str:
+    return args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(args), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, TypeError) as error:

@@ -25,13 +25,15 @@ _HELP = {
     "max_num_seqs": "most requests running at once (default 256, at most the token budget)",
     "max_num_batched_tokens": "token budget of one step (default 512)",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
-    "long_prefill_token_threshold": "most tokens of one prompt in one step (default: an "
-                                    "eighth of the budget; 0: vLLM's rule, 4%% of "
+    "long_prefill_token_threshold": "most tokens of one prompt in one step (default: none "
+                                    "under slo, which sizes chunks by time; an eighth of the "
+                                    "budget under fcfs and priority; 0: vLLM's rule, 4%% of "
                                     "max_model_len when max_num_partial_prefills > 1, else "
                                     "no cap; needs chunked prefill)",
-    "max_num_partial_prefills": "most prompts part-way through prefill at once (default: as "
-                                "many as their chunks fill a step, budget / threshold; > 1 "
-                                "needs chunked prefill)",
+    "max_num_partial_prefills": "most prompts part-way through prefill at once (default: "
+                                "max_num_seqs under slo without a threshold; else as many as "
+                                "their chunks fill a step, budget / threshold; > 1 needs "
+                                "chunked prefill)",
     "scheduling_policy": "slo (default: meet TTFT/TPOT targets step by step), fcfs (first "
                          "come, first served, fixed chunks), or priority (lower value first; "
                          "may preempt; fixed chunks)",

@@ -184,3 +184,15 @@ def test_cors_flags_without_allowed_origins_are_refused(flags, named, capsys):
         f"fulcrum serve: error: {named} shape CORS answers, which only --allowed-origins turns "
         'on (fulcrum sends none by default, unlike vLLM, whose default origins are ["*"]): '
         "give --allowed-origins too\n")
+
+
+def test_serve_logs_at_info_and_the_other_commands_at_warning_by_default(tmp_path):
+    """serve's periodic stats line and its KV cache line are INFO, as in vLLM, whose default
+    level shows them; --log-level still decides where given."""
+    from fulcrum.cli import log_level
+
+    parser = build_parser()
+    assert log_level(parser.parse_args(["serve", str(tmp_path)])) == "INFO"
+    assert log_level(parser.parse_args(["generate", "--prompt", "x"])) == "WARNING"
+    assert log_level(parser.parse_args(["--log-level", "ERROR", "serve", str(tmp_path)])) \
+        == "ERROR"

@@ -50,3 +50,10 @@ def test_demo_serves_its_dashboard(llama_dir, one_torch_thread, monkeypatch):
                  "--chunk-budget", "64", "--dashboard", "0"])
     assert code == 0 and urls and urls[0].endswith("/")
     assert seen == [("slo", True), ("fcfs", True), ("fcfs", True)]
+
+
+def test_the_demos_summary_says_higher_when_chunking_loses():
+    from fulcrum.demo import short_ttft_change
+
+    assert short_ttft_change({"short_median": 0.1}, {"short_median": 0.25}) == "2.5x lower"
+    assert short_ttft_change({"short_median": 0.25}, {"short_median": 0.1}) == "2.5x higher"

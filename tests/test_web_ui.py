@@ -202,3 +202,22 @@ def test_state_endpoint_and_switch(server, llama_dir):
         assert httpx.get(keyed.url + "/").status_code == 200  # the page itself is open
         assert httpx.get(keyed.url + "/dashboard/state").status_code == 401
         assert httpx.post(keyed.url + "/dashboard/load").status_code == 401
+
+
+def test_the_demos_dashboard_refuses_in_the_apis_error_shape():
+    """`fulcrum demo --dashboard` serves the page over an engine not yet started and with no
+    load to fire: its refusals are the API's error bodies (they were 500s with a traceback
+    logged for each, the page polling once a second)."""
+    from fastapi.testclient import TestClient
+
+    from fulcrum.server.dashboard import DashboardFeed, dashboard_app
+
+    with TestClient(dashboard_app(DashboardFeed(None, "starting")),
+                    raise_server_exceptions=False) as client:
+        state = client.get("/dashboard/state")
+        assert state.status_code == 503
+        assert state.json()["error"]["message"] == "no engine is running yet"
+        load = client.post("/dashboard/load")
+        assert load.status_code == 404
+        assert load.json()["error"]["message"] == "this page has no server engine to load"
+        assert client.get("/nowhere").json()["error"]["code"] == 404

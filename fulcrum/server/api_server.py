@@ -34,8 +34,8 @@ from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, Requ
 from fulcrum.chat_messages import validation_message
 from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
-from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, error_response,
-                                       http_error)
+from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, api_error,
+                                       error_response, http_error)
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
@@ -51,9 +51,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
-
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         message = validation_message(error.errors())
         whole_body = any(tuple(problem.get("loc", ())) == ("body",) for problem in error.errors())

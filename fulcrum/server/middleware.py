@@ -39,6 +39,10 @@ def error_response(error: APIError) -> JSONResponse:
                         headers=error.headers)
 
 
+async def api_error(_: object, error: APIError) -> JSONResponse:
+    return error_response(error)
+
+
 async def http_error(_: object, error: StarletteHTTPException) -> JSONResponse:
     """Starlette's own refusals (no route, wrong method, a body it could not parse) in
     OpenAI's error shape."""
