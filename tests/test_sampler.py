@@ -317,9 +317,10 @@ def completion(llm: LLM, prompt, **params):
 def test_a_tiny_repetition_penalty_leaves_a_token_to_sample(llm):
     """12 / 2e-38 is past float32's range: +inf logits left no token to sample (finish
     "error"); they are the largest finite value instead."""
-    output = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=4, ignore_eos=True,
-                        repetition_penalty=2e-38)
-    assert output.finish_reason == "length" and len(output.token_ids) == 4
+    for temperature in (0.0, 0.7):  # sampled too: the largest logits' weight must stay 1
+        output = completion(llm, PROMPTS[0], temperature=temperature, max_tokens=4,
+                            ignore_eos=True, repetition_penalty=2e-38, seed=0)
+        assert output.finish_reason == "length" and len(output.token_ids) == 4
 
 
 def test_seed_reproducible_across_batch_compositions(llm):
@@ -501,7 +502,8 @@ def _reference_draws(logits: torch.Tensor, temperature: float, min_p: float, top
     x = logits.double().numpy() / temperature
     finite = np.isfinite(x)
     w = np.where(finite, np.exp(x - x[finite].max()), 0.0)
-    near = bool(min_p) and bool(np.any(np.abs(w - min_p) <= 1e-5 * min_p))
+    # (the largest logits' weight is exactly 1: min_p=1 keeps them whatever the rounding)
+    near = bool(min_p) and bool(np.any((np.abs(w - min_p) <= 1e-5 * min_p) & (w < 1)))
     w[w < min_p] = 0.0
     order = sorted(np.flatnonzero(w > 0), key=lambda i: (-x[i], i))  # of equal x, lower id
     if 0 < top_k < len(order):
@@ -559,7 +561,8 @@ def test_sampling_follows_its_rules_to_float64_precision(implementation, request
     generator = torch.Generator().manual_seed(0)
     cases = [dict(), dict(top_p=0.9), dict(top_k=20), dict(top_k=50, top_p=0.6),
              dict(min_p=0.05), dict(min_p=0.01, top_k=30, top_p=0.8), dict(top_k=1),
-             dict(top_p=0.3), dict(top_k=700, top_p=0.95)]
+             dict(top_p=0.3), dict(top_k=700, top_p=0.95), dict(min_p=1.0),
+             dict(top_k=990, top_p=0.95)]
     draws = exact = 0
     for case_number, case in enumerate(cases):
         params = SamplingParams(temperature=[0.6, 1.0, 1.7][case_number % 3], **case)

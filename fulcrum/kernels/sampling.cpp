@@ -20,8 +20,8 @@
 // cut and the block sums of the draw), and the filters sort no more than they must: a
 // histogram of the tokens by x (8 buckets an octave of weight, the largest x first) finds the
 // bucket where top_k's count or top_p's mass is reached; the buckets before it pass whole,
-// those after it not at all, and only its own tokens are ranked (top_k's k are then sorted
-// for top_p). The rules are the torch path's:
+// those after it not at all, and only its own tokens are ranked. The rules are the torch
+// path's:
 // - x = logit / T; a token's weight is exp(x - max x), 0 for a masked (-inf) logit and for
 //   one below e^-87 of the largest (float32's normal range);
 // - min_p drops the tokens whose weight is below min_p (probability below min_p times the
@@ -80,47 +80,13 @@ constexpr int kBlock = 256;          // tokens per block of the two-level draw
 constexpr int kBuckets = 1024;       // x buckets: 8 an octave of weight, from the largest x
 constexpr float kPerNat = 11.541561f;  // 8 / ln 2: buckets per unit of x
 constexpr float kUnderflow = -87.f;  // exp below this counts as 0 (bucket 1004 at most)
+constexpr int kWays = 4;  // histogram copies, so that runs of one bucket do not wait on one add
 
 inline bool is_nan_or_infinite(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
   return (bits & 0x7F800000u) == 0x7F800000u;
 }
-
-inline float scaled(float logit, float inverse_temperature) { return logit * inverse_temperature; }
-
-using Ranked = std::pair<float, int>;  // (x, token)
-
-// Descending x, and of equal x the lower token id first.
-inline bool ranks_before(const Ranked& a, const Ranked& b) {
-  return a.first != b.first ? a.first > b.first : a.second < b.second;
-}
-
-constexpr int kWays = 4;  // histogram copies, so that runs of one bucket do not wait on one add
-
-struct Scratch {
-  std::vector<float> weights;
-  std::vector<uint16_t> buckets;
-  std::vector<double> block_sums;
-  std::vector<Ranked> ranked;
-  double mass[kBuckets];  // each x bucket's weight and token count
-  int64_t count[kBuckets];
-  double way_mass[kWays][kBuckets + 1];  // the last: tokens left out
-  int32_t way_count[kWays][kBuckets + 1];
-};
-
-// One row's logits, weights and (once `fill_histogram` has put them there) buckets, kBuckets
-// for a token left out.
-struct Row {
-  const float* logits;
-  const float* weights;
-  uint16_t* buckets;
-  int vocab;
-  float inverse_temperature, largest;
-
-  float x(int i) const { return scaled(logits[i], inverse_temperature); }
-  int bucket(int i) const { return buckets[i]; }
-};
 
 // The float a key of order_key's encodes (a NaN's key aside).
 inline float from_key(int32_t key) {
@@ -133,36 +99,74 @@ inline float from_key(int32_t key) {
 constexpr int32_t kPositiveInfinityKey = 0x7F800000;  // and above: NaN
 constexpr int32_t kNegativeInfinityKey = -0x7F800000 - 1;
 
-// Each token's weight, exp(x - max x) (0 for masked tokens, those under the e^-87 floor and
-// those min_p cuts: a weight is the probability over the largest's), each block's sum of
-// them in float64, how many are above 0 and the largest x; false where the row has nothing
-// to sample.
-bool weigh(const float* logits, int vocab, float inverse_temperature, float min_p,
-           float* weights, std::vector<double>& block_sums, float& largest, int& positive) {
+using Ranked = std::pair<float, int>;  // (x, token)
+
+// Descending x, and of equal x the lower token id first.
+inline bool ranks_before(const Ranked& a, const Ranked& b) {
+  return a.first != b.first ? a.first > b.first : a.second < b.second;
+}
+
+struct Scratch {
+  std::vector<float> weights;
+  std::vector<uint16_t> buckets;
+  std::vector<double> block_sums;
+  std::vector<Ranked> ranked;
+  double mass[kBuckets + 1];  // each x bucket's weight and token count; the last: left out
+  int64_t count[kBuckets + 1];
+  double way_mass[kWays][kBuckets + 1];
+  int32_t way_count[kWays][kBuckets + 1];
+};
+
+// One row: its logits, the largest of them, 1 / T, and (once `weigh` and `fill_histogram`
+// have put them there) each token's weight and bucket. x = logit / T ranks the tokens; a
+// weight is exp((logit - largest) / T): exactly 1 for the largest, whatever the rounding of
+// x (a fused multiply-add of logit * (1 / T) - max x leaves the largest a little under 1).
+struct Row {
+  const float* logits;
+  float* weights;
+  uint16_t* buckets;
+  int vocab;
+  float inverse_temperature, largest_logit;
+
+  float x(int i) const { return logits[i] * inverse_temperature; }
+  float below_largest(int i) const { return (logits[i] - largest_logit) * inverse_temperature; }
+  int bucket(int i) const { return buckets[i]; }
+};
+
+// The largest logit; false where the row has nothing to sample (no finite logit, a NaN or
+// +inf one, or one the temperature scales out of float32's range, where torch gives NaN).
+bool find_largest(const float* logits, int vocab, float inverse_temperature, float& largest) {
   int32_t best = INT32_MIN;
 #pragma omp simd reduction(max : best)
   for (int i = 0; i < vocab; ++i) best = std::max(best, order_key(logits[i]));
   if (best >= kPositiveInfinityKey || best <= kNegativeInfinityKey) return false;
-  largest = scaled(from_key(best), inverse_temperature);  // scaling keeps the order
-  if (is_nan_or_infinite(largest)) return false;  // out of float32's range: torch gives NaN
-  const int num_blocks = (vocab + kBlock - 1) / kBlock;
+  largest = from_key(best);
+  return !is_nan_or_infinite(largest * inverse_temperature);
+}
+
+// Each token's weight (0 for masked tokens, those under the e^-87 floor and those min_p cuts:
+// a weight is the probability over the largest's), each block's sum of them in float64;
+// returns how many are above 0.
+int weigh(const Row& row, float min_p, std::vector<double>& block_sums) {
+  const int num_blocks = (row.vocab + kBlock - 1) / kBlock;
   block_sums.resize(num_blocks);
-  positive = 0;
+  int positive = 0;
   for (int b = 0; b < num_blocks; ++b) {
-    const int end = std::min(vocab, (b + 1) * kBlock);
+    const int end = std::min(row.vocab, (b + 1) * kBlock);
     int i = b * kBlock;
     double sum = 0.0;
 #if defined(__AVX2__) && defined(__FMA__)
     // AVX2 on AVX-512 machines too: sampling is a small part of a step.
-    const __m256 inverse = _mm256_set1_ps(inverse_temperature), top = _mm256_set1_ps(largest);
+    const __m256 inverse = _mm256_set1_ps(row.inverse_temperature);
+    const __m256 top = _mm256_set1_ps(row.largest_logit);
     const __m256 floor = _mm256_set1_ps(kUnderflow), cut = _mm256_set1_ps(min_p);
     __m256d sums = _mm256_setzero_pd();
     for (; i + 8 <= end; i += 8) {
-      // masked logits and those scaled to -inf give -inf or NaN here: both compare false
-      const __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(logits + i), inverse), top);
+      // masked logits give -inf here, which compares false
+      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row.logits + i), top), inverse);
       __m256 w = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), fulcrum::exp256(d));
       w = _mm256_and_ps(_mm256_cmp_ps(w, cut, _CMP_GE_OQ), w);
-      _mm256_storeu_ps(weights + i, w);
+      _mm256_storeu_ps(row.weights + i, w);
       sums = _mm256_add_pd(sums, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
                                                _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
       positive += __builtin_popcount(
@@ -173,15 +177,15 @@ bool weigh(const float* logits, int vocab, float inverse_temperature, float min_
     sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
     for (; i < end; ++i) {
-      const float d = scaled(logits[i], inverse_temperature) - largest;
+      const float d = row.below_largest(i);
       const float w = is_nan_or_infinite(d) || !(d >= kUnderflow) ? 0.f : std::exp(d);
-      weights[i] = w >= min_p ? w : 0.f;
-      sum += weights[i];
-      positive += weights[i] > 0.f;
+      row.weights[i] = w >= min_p ? w : 0.f;
+      sum += row.weights[i];
+      positive += row.weights[i] > 0.f;
     }
     block_sums[b] = sum;
   }
-  return true;
+  return positive;
 }
 
 // The first token in vocabulary order whose cumulative weight exceeds `target`: the block
@@ -223,21 +227,20 @@ int64_t draw_kept(const Row& row, double total, double u, const Kept& kept) {
   return last;
 }
 
-// Each token's bucket (8 an octave of weight from the largest x; kBuckets for one of weight
+// Each token's bucket (8 an octave of weight from the largest; kBuckets for one of weight
 // `floor` or less, left out), each bucket's weight and count. A bucket's index never falls
-// as x grows (every step from x to it is monotone), so buckets in order are a coarse ranking;
-// they are computed once, so every later reader sees the same one (the compiler may
-// reassociate each copy of a formula differently).
+// as x grows (every step from the logit to it is monotone), so buckets in order are a
+// coarse ranking; they are computed once, so every later reader sees the same one (the
+// compiler may reassociate each copy of a formula differently).
 void fill_histogram(const Row& row, float floor, Scratch& scratch) {
   int i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 inverse = _mm256_set1_ps(row.inverse_temperature);
-  const __m256 top = _mm256_set1_ps(row.largest), per_nat = _mm256_set1_ps(kPerNat);
+  const __m256 inverse = _mm256_set1_ps(row.inverse_temperature * kPerNat);
+  const __m256 top = _mm256_set1_ps(row.largest_logit);
   const __m256i out = _mm256_set1_epi32(kBuckets), most = _mm256_set1_epi32(kBuckets - 1);
   for (; i + 8 <= row.vocab; i += 8) {
-    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row.logits + i), inverse);
-    __m256i b = _mm256_min_epi32(
-        _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_sub_ps(top, x), per_nat)), most);
+    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(top, _mm256_loadu_ps(row.logits + i)), inverse);
+    __m256i b = _mm256_min_epi32(_mm256_cvttps_epi32(d), most);
     const __m256 in = _mm256_cmp_ps(_mm256_loadu_ps(row.weights + i),
                                     _mm256_set1_ps(floor), _CMP_GT_OQ);
     b = _mm256_blendv_epi8(out, b, _mm256_castps_si256(in));
@@ -246,10 +249,11 @@ void fill_histogram(const Row& row, float floor, Scratch& scratch) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row.buckets + i), packed);
   }
 #endif
+  const float per_unit = row.inverse_temperature * kPerNat;
   for (; i < row.vocab; ++i)
     row.buckets[i] = row.weights[i] > floor
-        ? static_cast<uint16_t>(std::min(kBuckets - 1,
-                                         static_cast<int>((row.largest - row.x(i)) * kPerNat)))
+        ? static_cast<uint16_t>(std::min(
+              kBuckets - 1, static_cast<int>((row.largest_logit - row.logits[i]) * per_unit)))
         : kBuckets;
   for (int w = 0; w < kWays; ++w) {
     std::fill(scratch.way_mass[w], scratch.way_mass[w] + kBuckets + 1, 0.0);
@@ -259,7 +263,7 @@ void fill_histogram(const Row& row, float floor, Scratch& scratch) {
     scratch.way_mass[i % kWays][row.buckets[i]] += row.weights[i];
     ++scratch.way_count[i % kWays][row.buckets[i]];
   }
-  for (int b = 0; b < kBuckets; ++b) {
+  for (int b = 0; b <= kBuckets; ++b) {
     scratch.mass[b] = (scratch.way_mass[0][b] + scratch.way_mass[1][b]) +
                       (scratch.way_mass[2][b] + scratch.way_mass[3][b]);
     scratch.count[b] = scratch.way_count[0][b] + scratch.way_count[1][b] +
@@ -267,66 +271,55 @@ void fill_histogram(const Row& row, float floor, Scratch& scratch) {
   }
 }
 
-// The tokens in buckets [first, last], as (x, token).
-void rank_buckets(const Row& row, int first, int last, Scratch& scratch) {
+// The tokens in buckets [first, last] that `keep(i)` passes, as (x, token).
+template <typename Keep>
+void rank_buckets(const Row& row, int first, int last, Scratch& scratch, const Keep& keep) {
   scratch.ranked.clear();
   for (int i = 0; i < row.vocab; ++i) {
     const int b = row.bucket(i);
-    if (b >= first && b <= last) scratch.ranked.emplace_back(row.x(i), i);
+    if (b >= first && b <= last && keep(i)) scratch.ranked.emplace_back(row.x(i), i);
   }
 }
 
-// top_k (then top_p over the k): the buckets up to the one where the count reaches k hold the
-// k; the k are put first, then sorted for top_p's masses and cut.
-int64_t sample_top_k(const Row& row, int64_t top_k, float top_p, double u, Scratch& scratch) {
-  fill_histogram(row, 0.f, scratch);
-  int last = 0;
-  for (int64_t count = scratch.count[0]; count < top_k && last + 1 < kBuckets;)
-    count += scratch.count[++last];
-  rank_buckets(row, 0, last, scratch);
-  auto& ranked = scratch.ranked;
-  std::nth_element(ranked.begin(), ranked.begin() + (top_k - 1), ranked.end(), ranks_before);
-  ranked.resize(top_k);
-  double total = 0.0;
-  for (const auto& token : ranked) total += row.weights[token.second];
-  if (top_p < 1.f) {
-    std::sort(ranked.begin(), ranked.end(), ranks_before);
-    double before = 0.0;
-    size_t keep = 1;
-    for (; keep < ranked.size(); ++keep) {
-      before += row.weights[ranked[keep - 1].second] / total;
-      if (static_cast<float>(before) >= top_p) break;
-    }
-    ranked.resize(keep);
-    total = 0.0;
-    for (const auto& token : ranked) total += row.weights[token.second];
+// top_k (0: off) then top_p (1: off) over the tokens of weight above 0 (`total`: their
+// weight), sorting no more than the bucket where a cut falls: top_k's k-th token is put in
+// place among its bucket's tokens (the buckets before it pass whole); top_p's nucleus passes
+// every bucket before the ones where its mass, of what top_k left, reaches top_p (within
+// rounding: [first, last]), whose tokens alone are ranked to find where it ends.
+int64_t sample_filtered(const Row& row, int64_t top_k, float top_p, double total, double u,
+                        Scratch& scratch) {
+  // With top_p alone, tokens of weight at most (1 - top_p) / 2 of the total over the
+  // vocabulary size are left out of the histogram: all together they hold at most half the
+  // mass the nucleus leaves out, so it ends before them (most of a trained model's tail).
+  const bool only_top_p = top_k == 0;
+  fill_histogram(row, only_top_p ? static_cast<float>((1.0 - top_p) * total / (2.0 * row.vocab))
+                                 : 0.f, scratch);
+  int k_bucket = kBuckets;  // the bucket of top_k's k-th token (kBuckets: no top_k)
+  Ranked k_th{0.f, -1};
+  double k_bucket_mass = 0.0;  // the weight of its bucket's tokens up to the k-th
+  if (!only_top_p) {
+    int64_t before = 0;
+    for (k_bucket = 0; before + scratch.count[k_bucket] < top_k; ++k_bucket)
+      before += scratch.count[k_bucket];
+    rank_buckets(row, k_bucket, k_bucket, scratch, [](int) { return true; });
+    auto& ranked = scratch.ranked;
+    const auto k_th_place = ranked.begin() + (top_k - before - 1);
+    std::nth_element(ranked.begin(), k_th_place, ranked.end(), ranks_before);
+    k_th = *k_th_place;
+    for (auto it = ranked.begin(); it <= k_th_place; ++it) k_bucket_mass += row.weights[it->second];
+    total = k_bucket_mass;
+    for (int b = 0; b < k_bucket; ++b) total += scratch.mass[b];
   }
-  std::sort(ranked.begin(), ranked.end(),
-            [](const Ranked& a, const Ranked& b) { return a.second < b.second; });
-  const double target = u * total;
-  double before = 0.0;
-  int64_t drawn = -1;  // ends on the last token of weight above 0: a rounding's fallback
-  for (const Ranked& token : ranked) {
-    if (row.weights[token.second] <= 0.f) continue;
-    before += row.weights[token.second];
-    drawn = token.second;
-    if (before > target) break;
-  }
-  return drawn;
-}
-
-// top_p alone: the nucleus passes every bucket before the ones where its mass reaches top_p
-// of `total` (within rounding: [first, last]); only those are ranked, to find where it ends.
-// Tokens of weight at most (1 - top_p) / 2 of the total over the vocabulary size are left out
-// of the histogram: all of them together hold at most half the mass the nucleus leaves out,
-// so it ends before them (a trained model's long tail: most of the vocabulary).
-int64_t sample_top_p(const Row& row, float top_p, double total, double u, Scratch& scratch) {
-  fill_histogram(row, static_cast<float>((1.0 - top_p) * total / (2.0 * row.vocab)), scratch);
+  const auto in_top_k = [&](int i) {
+    const int b = row.bucket(i);
+    return b < k_bucket || (b == k_bucket && !ranks_before(k_th, {row.x(i), i}));
+  };
+  if (top_p >= 1.f) return draw_kept(row, total, u, in_top_k);
   const double needed = static_cast<double>(top_p) * total;
-  int first = -1, last = kBuckets - 1;
+  int first = -1, last = std::min(k_bucket, kBuckets - 1);
   double above = 0.0, mass = 0.0;  // above: the buckets before `first`
-  for (int b = 0; b < kBuckets; ++b) {
-    mass += scratch.mass[b];
+  for (int b = 0; b <= std::min(k_bucket, kBuckets - 1); ++b) {
+    mass += b == k_bucket ? k_bucket_mass : scratch.mass[b];
     if (first < 0 && mass >= needed * (1.0 - 1e-9)) first = b;
     if (first < 0) above = mass;
     if (mass >= needed * (1.0 + 1e-9)) {
@@ -334,7 +327,7 @@ int64_t sample_top_p(const Row& row, float top_p, double total, double u, Scratc
       break;
     }
   }
-  rank_buckets(row, first, last, scratch);
+  rank_buckets(row, first, last, scratch, in_top_k);
   auto& ranked = scratch.ranked;
   std::sort(ranked.begin(), ranked.end(), ranks_before);
   double before = above;  // ends as the kept tokens' weight
@@ -351,20 +344,19 @@ int64_t sample_top_p(const Row& row, float top_p, double total, double u, Scratc
 int64_t sample_row(const float* logits, int vocab, float temperature, float min_p, int64_t top_k,
                    float top_p, double u, Scratch& scratch) {
   const float inverse_temperature = 1.f / temperature;
-  scratch.weights.resize(vocab);
-  float* weights = scratch.weights.data();
   float largest = 0.f;
-  int positive = 0;
-  if (!weigh(logits, vocab, inverse_temperature, min_p, weights, scratch.block_sums, largest,
-             positive))
-    return -1;
+  if (!find_largest(logits, vocab, inverse_temperature, largest)) return -1;
+  scratch.weights.resize(vocab);
+  scratch.buckets.resize(vocab);
+  const Row row{logits, scratch.weights.data(), scratch.buckets.data(), vocab,
+                inverse_temperature, largest};
+  const int positive = weigh(row, min_p, scratch.block_sums);
   double total = 0.0;
   for (const double sum : scratch.block_sums) total += sum;
-  scratch.buckets.resize(vocab);
-  const Row row{logits, weights, scratch.buckets.data(), vocab, inverse_temperature, largest};
-  if (top_k > 0 && positive > top_k) return sample_top_k(row, top_k, top_p, u, scratch);
-  if (top_p < 1.f) return sample_top_p(row, top_p, total, u, scratch);
-  return draw_from_blocks(weights, vocab, scratch.block_sums, u * total);
+  const bool use_top_k = top_k > 0 && positive > top_k;
+  if (!use_top_k && top_p >= 1.f)
+    return draw_from_blocks(row.weights, vocab, scratch.block_sums, u * total);
+  return sample_filtered(row, use_top_k ? top_k : 0, top_p, total, u, scratch);
 }
 
 }  // namespace
