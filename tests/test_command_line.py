@@ -196,3 +196,12 @@ def test_serve_logs_at_info_and_the_other_commands_at_warning_by_default(tmp_pat
     assert log_level(parser.parse_args(["generate", "--prompt", "x"])) == "WARNING"
     assert log_level(parser.parse_args(["--log-level", "ERROR", "serve", str(tmp_path)])) \
         == "ERROR"
+
+
+def test_the_clis_copies_of_server_defaults_agree_with_the_server():
+    """fulcrum.server.cli keeps copies so that parsing flags imports no server dependency."""
+    from fulcrum.server import api_server, cli, http_protocol
+
+    assert cli.DEFAULT_MAX_REQUEST_BODY_BYTES == api_server.DEFAULT_MAX_REQUEST_BODY_BYTES
+    assert cli.DEFAULT_SHUTDOWN_TIMEOUT_S == api_server.DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert cli.DEFAULT_MAX_HEADER_BYTES == http_protocol.DEFAULT_MAX_HEADER_BYTES

@@ -34,6 +34,7 @@ from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, Requ
 from fulcrum.chat_messages import validation_message
 from fulcrum.server.dashboard import DashboardFeed, DemoLoad, dashboard_routes, static_files
 from fulcrum.server.metrics import ServerMetrics, StatsLogger
+from fulcrum.server.http_protocol import DEFAULT_MAX_HEADER_BYTES, uvicorn_config
 from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, api_error,
                                        error_response, http_error)
 from fulcrum.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -258,8 +259,7 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         self._socket = listening_socket(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(uvicorn_config(app, "warning", 2))
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]},
                                         name="fulcrum-http", daemon=True)
@@ -293,9 +293,9 @@ class GracefulServer(uvicorn.Server):
     `drain(timeout)` waits up to `timeout` seconds and returns how many requests it ended."""
 
     def __init__(self, app: FastAPI, shutdown_timeout: float, log_level: str,
-                 drain: Callable[[float], Awaitable[int]]) -> None:
-        super().__init__(uvicorn.Config(app, log_level=log_level,
-                                        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
+                 drain: Callable[[float], Awaitable[int]],
+                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+        super().__init__(uvicorn_config(app, log_level, SHUTDOWN_TIMEOUT_S, max_header_bytes))
         self.app = app
         self.shutdown_timeout = shutdown_timeout
         self.drain = drain
@@ -355,11 +355,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(app: FastAPI, sock: socket.socket,
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "info") -> int:
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "info",
+          max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> int:
     """Serve on `sock` (see listening_socket) until a signal (exit status 0) or the engine's
     death (1)."""
     async_llm = app.state.async_llm
-    server = GracefulServer(app, shutdown_timeout, log_level, async_llm.drain)
+    server = GracefulServer(app, shutdown_timeout, log_level, async_llm.drain, max_header_bytes)
 
     def engine_died(error: BaseException) -> None:
         logger.error("the engine died (%r); stopping the server", error)

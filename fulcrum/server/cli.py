@@ -15,9 +15,11 @@ from fulcrum.engine_args import add_engine_args, engine_kwargs
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "FULCRUM_API_KEY"
-# Copied from fulcrum.server.api_server, which imports the server's heavy dependencies.
+# Copied from fulcrum.server.api_server and http_protocol, which import the server's heavy
+# dependencies.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
 STATS_INTERVAL_S = 10.0  # vLLM's
 
 DESCRIPTION = """\
@@ -44,6 +46,10 @@ def register(subparsers) -> None:
     server.add_argument("--max-request-body-bytes", type=positive_int,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 (default 16 MiB)")
+    server.add_argument("--h11-max-incomplete-event-size", type=positive_int,
+                        default=DEFAULT_MAX_HEADER_BYTES, metavar="BYTES",
+                        help="largest header block a request may send (vLLM's flag; default "
+                             "64 KiB, vLLM's 4 MiB: h11 parses it on the event loop)")
     server.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, seconds requests in flight get to finish "
                              "before they are aborted (default 30)")
@@ -196,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                     None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui,
                     args.enable_request_id_headers, args.chat_template_content_format)
     try:
-        return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level,
+                     args.h11_max_incomplete_event_size)
     finally:
         async_llm.shutdown()
 
@@ -216,7 +223,7 @@ def run_router(args: argparse.Namespace, cors: Optional[Dict[str, Any]]) -> int:
                                args.enable_request_id_headers,
                                on_all_down=lambda: server.stop(1))  # as an engine's death
         server = GracefulServer(app, args.shutdown_timeout, args.uvicorn_log_level,
-                                app.state.drain)
+                                app.state.drain, args.h11_max_incomplete_event_size)
         run_on(server, sock)
         return server.exit_code
     finally:

@@ -8,6 +8,7 @@ bytes as they arrive: a client may send a body without Content-Length, in chunks
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Awaitable, Callable, Dict, MutableMapping
 
@@ -32,6 +33,10 @@ DRAIN_FACTOR = 4
 # client waiting). The largest requests the server takes (10,000 messages, 1,024 tools,
 # a 5,000-property schema) open a few tens of thousands.
 MAX_JSON_CONTAINERS = 200_000
+# Longest wait for the next piece of a request body: a client that declares more than it sends,
+# or never ends a chunked body, would otherwise hold its connection (and a file descriptor)
+# for ever.
+BODY_TIMEOUT_S = 30.0
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -64,8 +69,9 @@ def _is_wide_unicode(head: bytes) -> bool:
 
 
 class BodyGuard:
-    """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives, and
-    400 to one that is not UTF-8 or opens over MAX_JSON_CONTAINERS arrays and objects."""
+    """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives, 400
+    to one that is not UTF-8 or opens over MAX_JSON_CONTAINERS arrays and objects, and 408 to
+    one whose body stops arriving for BODY_TIMEOUT_S."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -80,10 +86,19 @@ class BodyGuard:
                 await self._drain(receive, 0)
             return await error_response(_too_large(self.max_bytes))(scope, receive, send)
         received = containers = 0
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received, containers
-            message = await receive()
+            nonlocal received, containers, body_done
+            if body_done:  # what comes now is the disconnect, whenever the client leaves
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(
+                    408, f"the request body stopped arriving for {BODY_TIMEOUT_S:.0f} s") \
+                    from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
             if message["type"] == "http.request":
                 chunk = message.get("body", b"")
                 if received == 0 and _is_wide_unicode(chunk):
