@@ -38,9 +38,17 @@ def log_level(args: argparse.Namespace) -> str:
     return args.log_level or ("INFO" if args.command == "serve" else "WARNING")
 
 
+def configure_logging(args: argparse.Namespace) -> None:
+    """fulcrum's own loggers at `log_level`; other libraries' at WARNING unless --log-level
+    is given (httpx logs every request at INFO: the router's health probes every 2 s)."""
+    logging.basicConfig(level=args.log_level or "WARNING",
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fulcrum").setLevel(log_level(args))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=log_level(args), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, TypeError) as error:

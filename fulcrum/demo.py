@@ -103,8 +103,10 @@ def register(subparsers) -> None:
                                              "its URL")
     parser.add_argument("--open", action="store_true",
                         help="open the dashboard in a browser (implies --dashboard)")
+    # the modes set the chunking (and a threshold would contradict the fixed chunks' size)
     add_engine_args(parser, skip=("model", "enable_chunked_prefill", "max_num_batched_tokens",
-                                  "scheduling_policy"))
+                                  "scheduling_policy", "long_prefill_token_threshold",
+                                  "max_num_partial_prefills"))
     parser.set_defaults(func=run)
 
 

@@ -52,7 +52,7 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks",
     "max_logprobs": "most logprobs (or top_logprobs) a request may ask for (default 20, vLLM's)",
     "max_n": "most completions (n) one request may ask for (default 128)",
-    "max_queued_requests": "serve only: most requests waiting to run; the server answers "
+    "max_queued_requests": "most requests waiting to run; the server answers "
                            "503 with Retry-After beyond it (default 1024)",
     "generation_config": "sampling defaults for unset request fields: auto (the model's "
                          "generation_config.json), vllm (none), or a folder holding one",
@@ -87,11 +87,18 @@ def _base_type(annotation: Any) -> type:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple = ("model",)) -> None:
+# EngineConfig fields only the server reads (AsyncLLM's queue bound).
+SERVER_ONLY = ("max_queued_requests",)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple = ("model",),
+                    served: bool = False) -> None:
+    """Every EngineConfig field as a flag, but those in `skip`, and the server's own
+    (max_queued_requests) where not `served`."""
     group = parser.add_argument_group("engine")
     defaults = EngineConfig()
     for f in dataclasses.fields(EngineConfig):
-        if f.name in skip:
+        if f.name in skip or (f.name in SERVER_ONLY and not served):
             continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT.get(f.name, ())]
         default = getattr(defaults, f.name)

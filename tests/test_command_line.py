@@ -198,6 +198,21 @@ def test_serve_logs_at_info_and_the_other_commands_at_warning_by_default(tmp_pat
         == "ERROR"
 
 
+def test_serves_info_level_is_fulcrums_own(tmp_path, monkeypatch):
+    """Other libraries stay at WARNING: httpx would log each of the router's health probes."""
+    import logging
+
+    from fulcrum.cli import configure_logging
+
+    fulcrum_logger = logging.getLogger("fulcrum")
+    monkeypatch.setattr(fulcrum_logger, "level", fulcrum_logger.level)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # so that basicConfig acts
+    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)
+    configure_logging(build_parser().parse_args(["serve", str(tmp_path)]))
+    assert logging.getLogger("fulcrum.server.metrics").getEffectiveLevel() == logging.INFO
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+
+
 def test_the_clis_copies_of_server_defaults_agree_with_the_server():
     """fulcrum.server.cli keeps copies so that parsing flags imports no server dependency."""
     from fulcrum.server import api_server, cli, http_protocol

@@ -57,3 +57,14 @@ def test_the_demos_summary_says_higher_when_chunking_loses():
 
     assert short_ttft_change({"short_median": 0.1}, {"short_median": 0.25}) == "2.5x lower"
     assert short_ttft_change({"short_median": 0.25}, {"short_median": 0.1}) == "2.5x higher"
+
+
+def test_the_demo_sets_the_chunking_itself(capsys):
+    """Its modes choose chunked prefill or not; a threshold would make its third mode (no
+    chunking) refuse to start after the first two had run."""
+    import pytest
+
+    for flag in ("--long-prefill-token-threshold", "--max-num-partial-prefills"):
+        with pytest.raises(SystemExit):
+            main(["demo", flag, "2"])
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err

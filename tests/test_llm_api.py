@@ -470,6 +470,9 @@ def test_max_queued_requests_is_refused_offline(llama_dir, capsys):
         LLM(str(llama_dir), max_queued_requests=1)
     with pytest.raises(ValueError, match=refused):
         LLMEngine(EngineConfig(model=str(llama_dir), max_queued_requests=1))
-    assert main(["generate", str(llama_dir), "--prompt", "x", "--max-queued-requests", "1"]) == 2
-    assert capsys.readouterr().err.startswith(
-        "fulcrum generate: error: max_queued_requests is a server setting")
+    # and the commands other than serve have no such flag
+    for command in (["generate", "--prompt", "x"], ["demo"], ["bench", "throughput"]):
+        with pytest.raises(SystemExit) as usage:
+            main([*command, "--max-queued-requests", "1"])
+        assert usage.value.code == 2
+        assert "unrecognized arguments: --max-queued-requests" in capsys.readouterr().err

@@ -185,16 +185,18 @@ def test_tokenize_takes_vllms_fields(client):
     named = post(client, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
     assert named["token_strs"] == ["<s>", "▁Once", "▁upon", "▁a", "▁time"]
     assert post(client, "/tokenize", {"prompt": PROMPT}).json()["token_strs"] is None
-    for body, message in (
+    for body, message, param in (
             ({"messages": messages, "chat_template": "{{ 'X' }}"},
              "chat_template in a request is refused: start the server with "
-             "--trust-request-chat-template to allow it"),
+             "--trust-request-chat-template to allow it", "chat_template"),
             ({"prompt": PROMPT, "chat_template_kwargs": {"x": 1}},
-             "chat_template and chat_template_kwargs go with messages, not prompt")):
+             "chat_template_kwargs goes with messages, not prompt", "chat_template_kwargs"),
+            ({"prompt": PROMPT, "chat_template": "{{ 'X' }}"},
+             "chat_template goes with messages, not prompt", "chat_template")):
         refused = post(client, "/tokenize", body)
         assert refused.status_code == 400
         assert refused.json() == {"error": {"message": message, "type": "BadRequestError",
-                                            "param": "chat_template", "code": 400}}
+                                            "param": param, "code": 400}}
     reserved = post(client, "/tokenize", {"messages": messages,
                                           "chat_template_kwargs": {"messages": []}})
     assert reserved.status_code == 400 and "chat_template_kwargs cannot set messages" in (

@@ -582,3 +582,25 @@ def test_server_with_a_dead_rank_answers_errors_and_turns_unhealthy(model_dirs):
         assert failed.status_code in (500, 503)
         assert "rank 1" in failed.json()["error"]["message"]
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+
+
+def test_under_torchrun_a_failed_step_sends_the_ranks_no_goodbye(monkeypatch):
+    """After a step fails the other ranks may be part-way through it: the exit message the
+    script's end would send must not reach them out of order (shutdown sends none either)."""
+    import weakref
+
+    from fulcrum.executor.parallel import ParallelExecutor
+    from fulcrum.executor.torchrun import TorchrunExecutor
+
+    sent = []
+    executor = TorchrunExecutor.__new__(TorchrunExecutor)
+    executor._farewell = weakref.finalize(executor, sent.append, "goodbye")
+
+    def fail(self, output):
+        raise RuntimeError("a collective failed")
+
+    monkeypatch.setattr(ParallelExecutor, "execute", fail)
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        executor.execute(None)
+    del executor
+    assert sent == []

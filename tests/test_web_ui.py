@@ -221,3 +221,5 @@ def test_the_demos_dashboard_refuses_in_the_apis_error_shape():
         assert load.status_code == 404
         assert load.json()["error"]["message"] == "this page has no server engine to load"
         assert client.get("/nowhere").json()["error"]["code"] == 404
+        invalid = client.get("/dashboard/state", params={"since": "abc"})
+        assert invalid.status_code == 400 and "since" in invalid.json()["error"]["message"]

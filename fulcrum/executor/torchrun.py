@@ -12,8 +12,10 @@ import weakref
 import torch
 
 from fulcrum.distributed.group import connect
+from fulcrum.core.scheduler import SchedulerOutput
 from fulcrum.distributed.launch import split_cores
 from fulcrum.executor.parallel import ParallelExecutor
+from fulcrum.worker.model_runner import StepResult
 from fulcrum.worker.worker import Worker, WorkerConfig
 
 
@@ -49,6 +51,15 @@ class TorchrunExecutor(ParallelExecutor):
         # A script that ends, or drops its LLM, without shutting it down must still let the
         # other ranks go: torchrun waits for every process.
         self._farewell = weakref.finalize(self, _tell_ranks_to_exit, group)
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        try:
+            return super().execute(output)
+        except BaseException:
+            # The ranks may be part-way through the step: a message would meet them out of
+            # order (shutdown() sends none after a failure either).
+            self._farewell.detach()
+            raise
 
     def _dead_ranks(self) -> str:
         return ""  # torchrun's processes: a dead one shows as a failed collective

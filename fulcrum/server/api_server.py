@@ -51,7 +51,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape (the API's, the page's and FastAPI's own)."""
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         message = validation_message(error.errors())
         whole_body = any(tuple(problem.get("loc", ())) == ("body",) for problem in error.errors())
@@ -131,7 +132,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.draining = False
-    _add_error_handlers(app)
+    add_error_handlers(app)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     app.include_router(_openai_routes(serving, keys))
     app.include_router(_utility_routes(serving, metrics, lambda: app.state.draining))
@@ -219,8 +220,9 @@ def _utility_routes(serving: OpenAIServing, metrics: Optional[ServerMetrics],
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens is True)
         elif request.chat_template is not None or request.chat_template_kwargs is not None:
-            raise APIError(400, "chat_template and chat_template_kwargs go with messages, "
-                                "not prompt", "chat_template")
+            field = "chat_template" if request.chat_template is not None else \
+                "chat_template_kwargs"
+            raise APIError(400, f"{field} goes with messages, not prompt", field)
         else:
             try:
                 tokens = await serving.off_loop_if(

@@ -113,7 +113,7 @@ def register(subparsers) -> None:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info: one line per request)")
-    add_engine_args(parser)
+    add_engine_args(parser, served=True)
     parser.set_defaults(func=run)
 
 

@@ -27,7 +27,6 @@ from fastapi.staticfiles import StaticFiles
 
 from fulcrum.bench.metrics import summarize_ms
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.server.middleware import api_error, http_error
 from fulcrum.server.serving import APIError
 
 STATIC = resources.files("fulcrum.server") / "static"
@@ -212,11 +211,11 @@ def dashboard_app(feed: DashboardFeed) -> Any:
     """The page and its data alone, over an engine stepped by someone else (`fulcrum demo
     --dashboard`); no API, so the playground has nothing to talk to."""
     from fastapi import FastAPI
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from fulcrum.server.api_server import add_error_handlers  # (it imports this module)
 
     app = FastAPI(title="fulcrum dashboard")
-    app.add_exception_handler(APIError, api_error)  # its refusals, in the API's error shape
-    app.add_exception_handler(StarletteHTTPException, http_error)
+    add_error_handlers(app)  # its refusals in the API's error shape
     app.include_router(dashboard_routes(feed, None, lambda: None))
     app.mount("/static", static_files(), name="static")
     return app

@@ -43,8 +43,10 @@ def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
 def run_replica(args: argparse.Namespace) -> int:
     """A replica's whole life (in its own process): pin, then serve until stopped, or until
     the router's process is gone (a replica never outlives its router)."""
+    from fulcrum.cli import configure_logging
     from fulcrum.server.cli import run
 
+    configure_logging(args)  # a spawned process starts without the router's
     if args.cores:
         pin_to_cores(args.cores)
     parent = os.getppid()

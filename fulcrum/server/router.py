@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, error_response,
-                                       http_error)
+from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, api_error,
+                                       error_response, http_error)
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
 from fulcrum.server.serving import (CLIENT_CLOSED_REQUEST, APIError, EventStream, first_of,
@@ -229,10 +229,7 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     app.state.draining = False
     app.state.drain = functools.partial(drain, routing)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, error: APIError):
-        return error_response(error)
-
+    app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.get("/health")
