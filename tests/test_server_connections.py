@@ -71,8 +71,11 @@ def test_a_header_block_over_the_limit_is_refused_at_once(server):
     with connect(server) as sock:
         start = time.monotonic()
         try:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
-                         + b"a" * (2 * DEFAULT_MAX_HEADER_BYTES) + b"\r\n\r\n")
+            # past the limit by more than the piece a request begins in (uncounted)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for _ in range((2 * DEFAULT_MAX_HEADER_BYTES + (512 << 10)) // 4096):
+                sock.sendall(b"a" * 4096)
+            sock.sendall(b"\r\n\r\n")
         except OSError:  # the server may close before it has read it all
             pass
         answer = read_until_closed(sock)
@@ -97,6 +100,35 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(server, monkeypa
         time.sleep(0.2)
         slow.sendall(b"Host: x\r\n\r\n")
         assert slow.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_large_body_is_no_header_block(server):
+    """Bytes that arrive with the headers but after them are the body's: a small request
+    with a large prompt is served."""
+    body = {"model": "m", "prompt": "hello " * 30_000, "max_tokens": 1,
+            "truncate_prompt_tokens": 8}
+    with connect(server) as sock:
+        sock.sendall(post("/v1/completions", body))
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_pipelined_behind_a_long_one_is_not_cut_off(server, monkeypatch):
+    """The header deadline waits for the next request only when none is queued: the one that
+    starts when the first is answered had its headers long ago."""
+    from fulcrum.server import http_protocol
+
+    monkeypatch.setattr(http_protocol, "HEADER_TIMEOUT_S", 0.3)
+    quick = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    slow = {"model": "m", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    with connect(server) as sock:
+        sock.sendall(post("/v1/completions", quick) + post("/v1/completions", slow))
+        answers = b""
+        deadline = time.monotonic() + 30
+        while answers.count(b"HTTP/1.1 200") < 2 and time.monotonic() < deadline:
+            piece = sock.recv(1 << 16)
+            assert piece, "the connection was closed before the second answer"
+            answers += piece
+    assert answers.count(b"HTTP/1.1 200") == 2 and answers.count(b'"finish_reason":"length"') == 2
 
 
 def test_a_body_that_stops_arriving_gets_408(server, monkeypatch):
@@ -126,9 +158,9 @@ def test_a_pipelined_request_is_aborted_when_its_client_leaves(server, async_llm
 
 
 def test_a_stream_nobody_reads_is_closed_and_its_request_ends(server, async_llm, monkeypatch):
-    from fulcrum.server import serving
+    from fulcrum.server import http_protocol
 
-    monkeypatch.setattr(serving, "WRITE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_protocol, "WRITE_TIMEOUT_S", 0.5)
     body = {"model": "m", "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "n": 8,
             "logprobs": 20, "stream": True}
     with connect(server, receive_buffer=4096) as sock:
@@ -138,3 +170,15 @@ def test_a_stream_nobody_reads_is_closed_and_its_request_ends(server, async_llm,
     assert not received.rstrip().endswith(b"data: [DONE]")  # cut off, not finished
     wait_idle(async_llm)
     assert not async_llm._streams
+
+
+def test_a_declared_oversized_body_that_never_comes_still_gets_its_413(server, monkeypatch):
+    """The server reads (and drops) an oversized body before answering, so that a client
+    still sending sees the answer; one that sends nothing gets it after BODY_TIMEOUT_S."""
+    from fulcrum.server import middleware
+
+    monkeypatch.setattr(middleware, "BODY_TIMEOUT_S", 0.5)
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % (32 << 20))
+        assert sock.recv(100).startswith(b"HTTP/1.1 413")

@@ -25,7 +25,7 @@
 // - x = logit / T; a token's weight is exp(x - max x), 0 for a masked (-inf) logit and for
 //   one below e^-87 of the largest (float32's normal range);
 // - min_p drops the tokens whose weight is below min_p (probability below min_p times the
-//   largest probability);
+//   largest probability), told by (logit - max) / T < ln(min_p);
 // - top_k keeps the k largest x (of equal x, the lower token id first);
 // - top_p keeps, in that order, each token whose probability mass before it (renormalised
 //   over what top_k left) is below top_p (so the first always stays);
@@ -40,8 +40,19 @@
 #include <utility>
 #include <vector>
 
+#include <limits>
+
 #include "for_rows.h"
 #include "vector_math.h"
+
+// No multiply-adds fused by the compiler in what follows: weights, ranks and buckets must
+// each round their products as written to agree with one another (a fused logit / T - max x
+// once left the largest logit's weight under 1). vector_math.h's own FMAs are written out.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 namespace {
 
@@ -128,7 +139,8 @@ struct Row {
   int vocab;
   float inverse_temperature, largest_logit;
 
-  float x(int i) const { return logits[i] * inverse_temperature; }
+  float x_of(float logit) const { return logit * inverse_temperature; }
+  float x(int i) const { return x_of(logits[i]); }
   float below_largest(int i) const { return (logits[i] - largest_logit) * inverse_temperature; }
   int bucket(int i) const { return buckets[i]; }
 };
@@ -144,10 +156,13 @@ bool find_largest(const float* logits, int vocab, float inverse_temperature, flo
   return !is_nan_or_infinite(largest * inverse_temperature);
 }
 
-// Each token's weight (0 for masked tokens, those under the e^-87 floor and those min_p cuts:
-// a weight is the probability over the largest's), each block's sum of them in float64;
-// returns how many are above 0.
+// Each token's weight (0 for masked tokens, those under the e^-87 floor and those min_p cuts),
+// each block's sum of them in float64; returns how many are above 0. A weight is the
+// probability over the largest's, so min_p cuts where it falls below min_p: where
+// (logit - largest) / T falls below ln(min_p), which keeps a prefix of the ranking (the
+// exponential's last bit need not grow with its argument).
 int weigh(const Row& row, float min_p, std::vector<double>& block_sums) {
+  const float min_d = min_p > 0.f ? std::log(min_p) : std::numeric_limits<float>::lowest();
   const int num_blocks = (row.vocab + kBlock - 1) / kBlock;
   block_sums.resize(num_blocks);
   int positive = 0;
@@ -159,27 +174,35 @@ int weigh(const Row& row, float min_p, std::vector<double>& block_sums) {
     // AVX2 on AVX-512 machines too: sampling is a small part of a step.
     const __m256 inverse = _mm256_set1_ps(row.inverse_temperature);
     const __m256 top = _mm256_set1_ps(row.largest_logit);
-    const __m256 floor = _mm256_set1_ps(kUnderflow), cut = _mm256_set1_ps(min_p);
+    const __m256 floor = _mm256_set1_ps(std::max(kUnderflow, min_d));
     __m256d sums = _mm256_setzero_pd();
-    for (; i + 8 <= end; i += 8) {
+    const auto weigh8 = [&](const float* logits) {
       // masked logits give -inf here, which compares false
-      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row.logits + i), top), inverse);
-      __m256 w = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), fulcrum::exp256(d));
-      w = _mm256_and_ps(_mm256_cmp_ps(w, cut, _CMP_GE_OQ), w);
-      _mm256_storeu_ps(row.weights + i, w);
+      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits), top), inverse);
+      const __m256 w = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), fulcrum::exp256(d));
       sums = _mm256_add_pd(sums, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
                                                _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
       positive += __builtin_popcount(
           _mm256_movemask_ps(_mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_GT_OQ)));
+      return w;
+    };
+    for (; i + 8 <= end; i += 8) _mm256_storeu_ps(row.weights + i, weigh8(row.logits + i));
+    if (i < end) {  // the tail in the same lanes: one exponential for every token (min_p)
+      alignas(32) float tail[8], weights[8];
+      std::fill(tail, tail + 8, std::numeric_limits<float>::lowest());
+      std::copy(row.logits + i, row.logits + end, tail);
+      _mm256_store_ps(weights, weigh8(tail));
+      std::copy(weights, weights + (end - i), row.weights + i);
+      i = end;
     }
     alignas(32) double lanes[4];
     _mm256_store_pd(lanes, sums);
     sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
-    for (; i < end; ++i) {
+    for (; i < end; ++i) {  // a build without AVX2
       const float d = row.below_largest(i);
-      const float w = is_nan_or_infinite(d) || !(d >= kUnderflow) ? 0.f : std::exp(d);
-      row.weights[i] = w >= min_p ? w : 0.f;
+      row.weights[i] = is_nan_or_infinite(d) || !(d >= std::max(kUnderflow, min_d))
+          ? 0.f : std::exp(d);
       sum += row.weights[i];
       positive += row.weights[i] > 0.f;
     }
@@ -227,19 +250,21 @@ int64_t draw_kept(const Row& row, double total, double u, const Kept& kept) {
   return last;
 }
 
-// Each token's bucket (8 an octave of weight from the largest; kBuckets for one of weight
-// `floor` or less, left out), each bucket's weight and count. A bucket's index never falls
-// as x grows (every step from the logit to it is monotone), so buckets in order are a
-// coarse ranking; they are computed once, so every later reader sees the same one (the
-// compiler may reassociate each copy of a formula differently).
+// Each token's bucket (8 an octave of weight below the largest x; kBuckets for one of weight
+// `floor` or less, left out), each bucket's weight and count. A bucket is a function of x
+// that never falls as x grows (every step is monotone), so buckets in order are a coarse
+// ranking and equal x share one; they are computed once, so every later reader sees the
+// same one (the compiler may reassociate each copy of a formula differently).
 void fill_histogram(const Row& row, float floor, Scratch& scratch) {
   int i = 0;
+  const float top_x = row.x_of(row.largest_logit);
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 inverse = _mm256_set1_ps(row.inverse_temperature * kPerNat);
-  const __m256 top = _mm256_set1_ps(row.largest_logit);
+  const __m256 inverse = _mm256_set1_ps(row.inverse_temperature);
+  const __m256 top = _mm256_set1_ps(top_x), per_nat = _mm256_set1_ps(kPerNat);
   const __m256i out = _mm256_set1_epi32(kBuckets), most = _mm256_set1_epi32(kBuckets - 1);
   for (; i + 8 <= row.vocab; i += 8) {
-    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(top, _mm256_loadu_ps(row.logits + i)), inverse);
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row.logits + i), inverse);
+    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(top, x), per_nat);
     __m256i b = _mm256_min_epi32(_mm256_cvttps_epi32(d), most);
     const __m256 in = _mm256_cmp_ps(_mm256_loadu_ps(row.weights + i),
                                     _mm256_set1_ps(floor), _CMP_GT_OQ);
@@ -249,11 +274,10 @@ void fill_histogram(const Row& row, float floor, Scratch& scratch) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row.buckets + i), packed);
   }
 #endif
-  const float per_unit = row.inverse_temperature * kPerNat;
   for (; i < row.vocab; ++i)
     row.buckets[i] = row.weights[i] > floor
         ? static_cast<uint16_t>(std::min(
-              kBuckets - 1, static_cast<int>((row.largest_logit - row.logits[i]) * per_unit)))
+              kBuckets - 1, static_cast<int>((top_x - row.x(i)) * kPerNat)))
         : kBuckets;
   for (int w = 0; w < kWays; ++w) {
     std::fill(scratch.way_mass[w], scratch.way_mass[w] + kBuckets + 1, 0.0);

@@ -68,6 +68,15 @@ def _is_wide_unicode(head: bytes) -> bool:
     return b"\x00" in head[:4] or head.startswith((b"\xff\xfe", b"\xfe\xff"))
 
 
+async def _in_time(receive: Receive) -> Message:
+    """The body's next piece, or a 408 after BODY_TIMEOUT_S without one."""
+    try:
+        return await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise StarletteHTTPException(
+            408, f"the request body stopped arriving for {BODY_TIMEOUT_S:.0f} s") from None
+
+
 class BodyGuard:
     """Answer 413 to a request whose body is over `max_bytes`, declared or as it arrives, 400
     to one that is not UTF-8 or opens over MAX_JSON_CONTAINERS arrays and objects, and 408 to
@@ -92,12 +101,7 @@ class BodyGuard:
             nonlocal received, containers, body_done
             if body_done:  # what comes now is the disconnect, whenever the client leaves
                 return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise StarletteHTTPException(
-                    408, f"the request body stopped arriving for {BODY_TIMEOUT_S:.0f} s") \
-                    from None
+            message = await _in_time(receive)
             body_done = message["type"] != "http.request" or not message.get("more_body")
             if message["type"] == "http.request":
                 chunk = message.get("body", b"")
@@ -122,7 +126,10 @@ class BodyGuard:
 
     async def _drain(self, receive: Receive, received: int) -> None:
         while received <= DRAIN_FACTOR * self.max_bytes:
-            message = await receive()
+            try:
+                message = await _in_time(receive)
+            except StarletteHTTPException:  # it stopped sending: it gets its answer now
+                return
             if message["type"] != "http.request":
                 return
             received += len(message.get("body", b""))

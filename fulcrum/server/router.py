@@ -34,7 +34,7 @@ from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Optiona
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,8 +43,7 @@ from fulcrum.server.middleware import (BodyGuard, DrainGate, RequestIdHeader, ap
                                        error_response, http_error)
 from fulcrum.server.prefix_tree import PrefixTree
 from fulcrum.server.replicas import Replica
-from fulcrum.server.serving import (CLIENT_CLOSED_REQUEST, APIError, EventStream, first_of,
-                                    wait_for_disconnect)
+from fulcrum.server.serving import CLIENT_CLOSED_REQUEST, APIError, first_of, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -324,8 +323,8 @@ async def _forward(client: httpx.AsyncClient, routing: RoutingPolicy, replica: R
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             relayed = True
-            return EventStream(_relay(routing, replica, answer), status_code=answer.status_code,
-                               headers=kept)
+            return StreamingResponse(_relay(routing, replica, answer),
+                                     status_code=answer.status_code, headers=kept)
         content = await _watched(request, routing, replica, answer.aread())
         return Response(content, status_code=answer.status_code, headers=kept)
     except _ClientLeft:

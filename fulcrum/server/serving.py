@@ -23,7 +23,6 @@ from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, Lis
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Message, Send
 
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_template_kwargs,
@@ -47,7 +46,6 @@ T = TypeVar("T")
 EnginePrompt = Tuple[Optional[str], List[int]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
-WRITE_TIMEOUT_S = 60.0  # longest wait for a stream's client to take its next piece
 
 
 logger = logging.getLogger(__name__)
@@ -380,27 +378,6 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json().translate(_LINE_BREAKS)}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events, ended when the client stops reading them: a piece that cannot go
-    out within WRITE_TIMEOUT_S (the connection's buffers full) closes the connection and the
-    events' iterator, which aborts its requests. A reader that stalled kept its connection,
-    and every output made for it, for ever (6 such streams held 230 MB)."""
-
-    def __init__(self, events: AsyncIterator[Any], **kwargs: Any) -> None:
-        super().__init__(events, media_type="text/event-stream", **kwargs)
-
-    async def stream_response(self, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            await asyncio.wait_for(send(message), WRITE_TIMEOUT_S)
-
-        try:
-            await super().stream_response(send_in_time)
-        except asyncio.TimeoutError:
-            logger.warning("a client read nothing of its stream for %.0f s: closing it",
-                           WRITE_TIMEOUT_S)
-            await self.body_iterator.aclose()
 
 
 async def wait_for_disconnect(raw_request: Request) -> None:
@@ -856,7 +833,7 @@ class OpenAIServing:
         if request.stream:
             events = _events(generation, outputs, chunk, preamble,
                              usage_chunk if request.include_usage else None)
-            return EventStream(events)
+            return StreamingResponse(events, media_type="text/event-stream")
         if not await run_unless_disconnected(raw_request, generation.consume(outputs)):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if generation.logprob_entries() <= HEAVY_RESPONSE_LOGPROBS:
@@ -876,8 +853,8 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
                   chunk: ChunkMaker, preamble: Sequence[BaseModel],
                   usage_chunk: Optional[Callable[[], BaseModel]]) -> AsyncIterator[str]:
     """OpenAI's stream: one chunk per new output, an optional usage chunk, then [DONE].
-    Closed early (the client left or stopped reading), it closes `outputs`, which aborts
-    their requests."""
+    Closed early (the client left, or took nothing for http_protocol.WRITE_TIMEOUT_S), it
+    closes `outputs`, which aborts their requests."""
     async with contextlib.aclosing(outputs):
         try:
             for payload in preamble:
