@@ -40,7 +40,11 @@ def log_level(args: argparse.Namespace) -> str:
 
 def configure_logging(args: argparse.Namespace) -> None:
     """fulcrum's own loggers at `log_level`; other libraries' at WARNING unless --log-level
-    is given (httpx logs every request at INFO: the router's health probes every 2 s)."""
+    is given (httpx logs every request at INFO: the router's health probes every 2 s).
+    Where the process has configured logging already (a host application, pytest), as
+    logging.basicConfig does, nothing changes."""
+    if logging.getLogger().handlers:
+        return
     logging.basicConfig(level=args.log_level or "WARNING",
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("fulcrum").setLevel(log_level(args))
