@@ -444,19 +444,18 @@ def declare_sampling(library: ctypes.CDLL) -> None:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of fp32 rows [rows, vocab] on CPU (the same indices:
     first of equal maxima, NaN largest), vectorised; torch's own elsewhere."""
-    library = _sampling_library()
-    if (library is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
-            or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0):
+    if not can_sample(logits):
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _check(library.fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
+    _check(_sampling_library().fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
                                       logits.shape[1], out.data_ptr(), torch.get_num_threads()),
            "argmax")
     return out
 
 
 def can_sample(logits: torch.Tensor) -> bool:
-    """Whether `sample` runs these logits (fp32 rows [rows, vocab] on CPU)."""
+    """Whether `sample` and `argmax` run these logits natively (fp32 rows [rows, vocab]
+    on CPU)."""
     return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
             and logits.stride(1) == 1 and logits.shape[1] > 0
             and _sampling_library() is not None)
