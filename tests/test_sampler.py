@@ -265,6 +265,80 @@ def test_every_tensor_the_sampler_makes_is_on_the_logits_device():
     assert sampled[-1].logprobs == expected[-1].logprobs
 
 
+def mixed_rows(count: int, vocab: int, seed: int) -> List[SamplingRow]:
+    """Rows of every feature at random, their ids at the vocabulary's two ends among them (a
+    row's place in the flat view of the batch ends where the next row's begins)."""
+    rng = np.random.default_rng(seed)
+    edge = [0, 1, vocab - 2, vocab - 1]
+    rows = []
+    for i in range(count):
+        pick = lambda: rng.random() < 0.4  # noqa: E731
+        params = dict(temperature=0.0) if pick() else dict(temperature=0.9, seed=i)
+        if pick():
+            params.update(repetition_penalty=float(rng.choice([0.7, 1.3, 2.0])))
+        if pick():
+            params.update(frequency_penalty=float(rng.uniform(-1, 1)),
+                          presence_penalty=float(rng.uniform(-1, 1)))
+        if pick():
+            params.update(logit_bias={int(t): float(rng.uniform(-5, 5))
+                                      for t in rng.choice(edge + [7, 9], 3, replace=False)})
+        if pick():
+            params.update(allowed_token_ids=sorted({int(t) for t in rng.choice(vocab, 12)}
+                                                   | {edge[i % 4]}))
+        if pick():
+            params.update(logprobs=int(rng.integers(0, 6)))
+        if pick() and params["temperature"] > 0:
+            params.update(top_k=5, top_p=0.8)
+        output = [int(t) for t in rng.choice(edge + [3, 4, 5], int(rng.integers(0, 6)))]
+        r = row(f"r{i}", prompt=[int(t) for t in rng.choice(vocab, 4)] + [edge[(i + 1) % 4]],
+                output=output, stop=[edge[i % 4]], min_tokens=int(rng.integers(0, 8)),
+                **params)
+        r.bad_words_token_ids = [[edge[(i + 2) % 4]], [output[-1], 6]] if output else []
+        rows.append(r)
+    return rows
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_each_row_of_a_mixed_batch_samples_as_it_would_alone():
+    """Controls, penalties and logprobs are applied to the whole batch at once, through one
+    flat index of (row, token): every row must come out as it does alone."""
+    vocab = 40
+    for seed in range(4):
+        rows = mixed_rows(24, vocab, seed)
+        logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+        together = Sampler(0, CPU)(logits.clone(), rows)
+        for i, r in enumerate(rows):
+            alone = Sampler(0, CPU)(logits[i:i + 1].clone(), [r])[0]
+            assert together[i].token_id == alone.token_id, (seed, i)
+            if alone.logprobs is None:
+                assert together[i].logprobs is None
+                continue
+            assert list(together[i].logprobs) == list(alone.logprobs), (seed, i)
+            for token, entry in alone.logprobs.items():
+                assert together[i].logprobs[token].rank == entry.rank
+                assert together[i].logprobs[token].logprob == pytest.approx(entry.logprob,
+                                                                            abs=1e-6)
+
+
+def test_penalties_follow_vllms_formulas_on_every_row():
+    """Repetition on each token of prompt or output once, then frequency times the output
+    count, then presence once; nothing else in any row moves."""
+    vocab = 30
+    rows = mixed_rows(16, vocab, seed=9)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1))
+    got = Sampler._apply_penalties(logits.clone(), rows)
+    for i, r in enumerate(rows):
+        expected = logits[i].double().clone()
+        p = r.params
+        for token in set(r.all_token_ids):
+            value = expected[token]
+            expected[token] = value / p.repetition_penalty if value > 0 else \
+                value * p.repetition_penalty
+        for token, count in Counter(r.all_token_ids[r.num_prompt_tokens:]).items():
+            expected[token] -= p.frequency_penalty * count + p.presence_penalty
+        assert torch.allclose(got[i].double(), expected, atol=1e-5), i
+
+
 # ------------------------------------------------------------------- logprobs
 def test_logprobs_report_rank_and_top_k_of_raw_distribution():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])

@@ -14,8 +14,9 @@ depend on what else is in the batch.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from fulcrum import kernels
@@ -57,9 +58,11 @@ class Sampler:
             from fulcrum.structured_output import apply_grammar_masks
             apply_grammar_masks(logits, [r.grammar for r in rows])
             argmax = None  # masked in place
+        wants_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if wants_logprobs:
+            raw_logprobs = torch.log_softmax(
+                logits if len(wants_logprobs) == len(rows) else logits[wants_logprobs], dim=-1)
         logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
@@ -74,9 +77,9 @@ class Sampler:
         token_list = tokens.tolist()
         failures = self._check_chosen(given, logits if masked or logits is not given else None,
                                       tokens, token_list)
-        sampled = [None if i in failures else
-                   SampledToken(t, self._logprobs(raw_logprobs, i, t, r.params.logprobs))
-                   for i, (t, r) in enumerate(zip(token_list, rows))]
+        logprobs = _chosen_logprobs(raw_logprobs, wants_logprobs, failures, token_list, rows)
+        sampled = [None if i in failures else SampledToken(t, logprobs.get(i))
+                   for i, t in enumerate(token_list)]
         if failures:
             raise RowsFailed(failures, sampled)
         return sampled
@@ -107,58 +110,67 @@ class Sampler:
     # ------------------------------------------------------- token controls
     @staticmethod
     def _apply_token_controls(logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
-        """allowed_token_ids, bad_words and logit_bias, row by row (rows without them cost
-        one check each)."""
+        """allowed_token_ids, then bad_words, then logit_bias, for all rows at once (one
+        gather or scatter each over the ids the rows name; rows without them cost one check
+        each)."""
         controlled = [i for i, r in enumerate(rows) if r.params.logit_bias
                       or r.params.allowed_token_ids or r.bad_words_token_ids]
         if not controlled:
             return logits
-        logits = logits.clone()
-        device = logits.device
-        for i in controlled:
-            row, params = rows[i], rows[i].params
-            if params.allowed_token_ids:
-                allowed = torch.tensor(params.allowed_token_ids, device=device)
-                kept = logits[i, allowed]
-                logits[i] = float("-inf")
-                logits[i, allowed] = kept
-            banned = _banned_by_bad_words(row)
-            if banned:
-                logits[i, banned] = float("-inf")
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), device=device)
-                logits[i, ids] += torch.tensor(list(params.logit_bias.values()), device=device,
-                                               dtype=logits.dtype)
+        logits = _writable_copy(logits)
+        flat, vocab = logits.view(-1), logits.shape[-1]
+        allowed = [i for i in controlled if rows[i].params.allowed_token_ids]
+        if allowed:
+            index = _flat_index(vocab, [(i, rows[i].params.allowed_token_ids) for i in allowed],
+                                logits.device)
+            kept = flat[index]
+            logits[allowed] = float("-inf")
+            flat[index] = kept
+        banned = _flat_index(vocab, [(i, _banned_by_bad_words(rows[i])) for i in controlled],
+                             logits.device)
+        flat[banned] = float("-inf")
+        biased = [(i, rows[i].params.logit_bias) for i in controlled if rows[i].params.logit_bias]
+        if biased:
+            index = _flat_index(vocab, [(i, list(bias)) for i, bias in biased], logits.device)
+            flat[index] += torch.tensor([v for _, bias in biased for v in bias.values()],
+                                        dtype=logits.dtype, device=logits.device)
         return logits
 
     # -------------------------------------------------------------- penalties
-    def _apply_penalties(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        """vLLM's penalties, for all rows at once and only on the tokens they touch: the
+        repetition penalty on each token of a row's prompt or output once, then the
+        frequency penalty times its count in the output and the presence penalty once."""
         penalised = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         if not penalised:
             return logits
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for i in penalised:
-            row, params = rows[i], rows[i].params
-            output = torch.tensor(row.all_token_ids[row.num_prompt_tokens:], dtype=torch.long,
-                                  device=logits.device)
-            counts = torch.zeros(vocab, device=logits.device).index_add_(
-                0, output, torch.ones(len(output), device=logits.device))
-            if params.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt = torch.tensor(row.all_token_ids[:row.num_prompt_tokens],
-                                      dtype=torch.long, device=logits.device)
-                seen[prompt] = True
-                value = logits[i]
-                penalised = torch.where(value > 0, value / params.repetition_penalty,
-                                        value * params.repetition_penalty)
-                # A tiny penalty may push a logit past float32's range: the largest finite one
-                # instead (+inf left no token to sample); masked tokens stay at -inf.
-                penalised = torch.nan_to_num(penalised, posinf=torch.finfo(value.dtype).max,
-                                             neginf=float("-inf"))
-                logits[i] = torch.where(seen, penalised, value)
-            logits[i] -= params.frequency_penalty * counts
-            logits[i] -= params.presence_penalty * (counts > 0).float()
+        logits = _writable_copy(logits)
+        flat, vocab, device = logits.view(-1), logits.shape[-1], logits.device
+        repeated = [i for i in penalised if rows[i].params.repetition_penalty != 1.0]
+        if repeated:
+            keys = np.unique(_flat_keys(vocab, [(i, rows[i].all_token_ids) for i in repeated]))
+            factor = _per_key(keys, vocab, rows, "repetition_penalty", logits.dtype, device)
+            index = torch.from_numpy(keys).to(device)
+            value = flat[index]
+            penalised_value = torch.where(value > 0, value / factor, value * factor)
+            # A tiny penalty may push a logit past float32's range: the largest finite one
+            # instead (+inf left no token to sample); masked tokens stay at -inf, and a NaN
+            # stays one (the model's fault, which _check_chosen reports as such).
+            flat[index] = torch.nan_to_num(penalised_value, nan=float("nan"),
+                                           posinf=torch.finfo(value.dtype).max,
+                                           neginf=float("-inf"))
+        counted = [i for i in penalised if rows[i].params.frequency_penalty != 0.0
+                   or rows[i].params.presence_penalty != 0.0]
+        outputs = [(i, rows[i].all_token_ids[rows[i].num_prompt_tokens:]) for i in counted]
+        keys, counts = np.unique(_flat_keys(vocab, outputs), return_counts=True)
+        if len(keys):
+            index = torch.from_numpy(keys).to(device)
+            value = flat[index]
+            value -= _per_key(keys, vocab, rows, "frequency_penalty", logits.dtype, device) * \
+                torch.from_numpy(counts).to(device=device, dtype=logits.dtype)
+            value -= _per_key(keys, vocab, rows, "presence_penalty", logits.dtype, device)
+            flat[index] = value
         return logits
 
     @staticmethod
@@ -202,14 +214,6 @@ class Sampler:
             self._request_generators[row.request_id] = generator
         return generator
 
-    @staticmethod
-    def _logprobs(raw: Optional[torch.Tensor], row: int, token: int,
-                  num_top: Optional[int]) -> Optional[Dict[int, Logprob]]:
-        if num_top is None or raw is None:
-            return None
-        return logprob_entries(raw[row:row + 1], [token], num_top)[0]
-
-
 def _why_nothing(logits: torch.Tensor) -> str:
     """The engine's fault where the model's own logits hold a NaN or +inf (masks only add
     -inf), else the request's. (Callers name the request: an engine child's id, as in
@@ -221,19 +225,59 @@ def _why_nothing(logits: torch.Tensor) -> str:
 
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
-                    num_top: int) -> List[Dict[int, Logprob]]:
+                    num_top: Union[int, Sequence[int]]) -> List[Dict[int, Logprob]]:
     """For each row of `logprobs` ([rows, vocab]): its token's logprob and rank (1 = most
-    likely), then the `num_top` most likely tokens, as vLLM reports them."""
+    likely), then its `num_top` (one for all rows, or one a row) most likely tokens, as vLLM
+    reports them."""
+    tops = [num_top] * len(token_ids) if isinstance(num_top, int) else list(num_top)
     ids = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
     chosen = logprobs.gather(1, ids)
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     entries = [{t: Logprob(v, r)} for t, v, r in zip(token_ids, chosen.squeeze(1).tolist(), ranks)]
-    if num_top:
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        for entry, values, top in zip(entries, top_values.tolist(), top_ids.tolist()):
-            for rank, (value, token) in enumerate(zip(values, top), start=1):
+    if max(tops, default=0):
+        top_values, top_ids = logprobs.topk(max(tops), dim=-1)
+        for entry, values, top, count in zip(entries, top_values.tolist(), top_ids.tolist(),
+                                             tops):
+            for rank, (value, token) in enumerate(zip(values[:count], top[:count]), start=1):
                 entry.setdefault(token, Logprob(value, rank))
     return entries
+
+
+def _chosen_logprobs(raw: Optional[torch.Tensor], wanted: List[int], failures: Dict[int, str],
+                     tokens: List[int], rows: List[SamplingRow]) -> Dict[int, Dict[int, Logprob]]:
+    """Each row's logprob entries by its index in the batch, for the rows that asked and
+    have a token; `raw` holds the log-softmax of the `wanted` rows, in that order."""
+    kept = [(n, i) for n, i in enumerate(wanted) if i not in failures]
+    if raw is None or not kept:
+        return {}
+    entries = logprob_entries(raw[[n for n, _ in kept]] if len(kept) < len(wanted) else raw,
+                              [tokens[i] for _, i in kept],
+                              [rows[i].params.logprobs for _, i in kept])
+    return {i: entry for (_, i), entry in zip(kept, entries)}
+
+
+def _writable_copy(logits: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy, which `.view(-1)` turns into one flat row of every (row, token)."""
+    return logits.clone(memory_format=torch.contiguous_format)
+
+
+def _flat_keys(vocab: int, ids_by_row: List[Tuple[int, Sequence[int]]]) -> np.ndarray:
+    """Each (row, token) as row * vocab + token: its place in the flat view of the logits.
+    Token ids were checked against the vocabulary when their request was added."""
+    parts = [row * vocab + np.asarray(ids, dtype=np.int64) for row, ids in ids_by_row if ids]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _flat_index(vocab: int, ids_by_row: List[Tuple[int, Sequence[int]]],
+                device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_flat_keys(vocab, ids_by_row)).to(device)
+
+
+def _per_key(keys: np.ndarray, vocab: int, rows: List[SamplingRow], name: str,
+             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The sampling parameter `name` of the row of each flat key."""
+    by_row = np.array([getattr(r.params, name) for r in rows], dtype=np.float64)
+    return torch.from_numpy(by_row[keys // vocab]).to(device=device, dtype=dtype)
 
 
 def _allows_more_than(logits: torch.Tensor, token_ids: List[int]) -> bool:
