@@ -92,7 +92,8 @@ class LLMEngine:
         hf_config = load_hf_config(model_dir)
         self._shut_down = False
         self.model_dir = model_dir
-        self.config = config.resolve(hf_config.get("max_position_embeddings", 2048))
+        spec = model_class(hf_config).spec_from_config(hf_config)
+        self.config = config.resolve(spec.max_context_len)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
@@ -101,7 +102,6 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(config.generation_config, model_dir)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, hf_config))
-        spec = model_class(hf_config).spec_from_config(hf_config)
         Shard(0, self.config.tensor_parallel_size, spec)  # refuses a split before any rank starts
         self.vocab_size = spec.vocab_size
         self.executor = make_executor(WorkerConfig(

@@ -592,6 +592,50 @@ def test_integer_weights_are_refused_not_cast(llama_dir, tmp_path):
         LLM(str(folder))
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight",
+                                  "model.layers.0.self_attn.k_proj.weight",
+                                  "model.layers.0.mlp.gate_proj.weight"])
+def test_a_checkpoint_missing_one_part_of_a_fused_weight_is_refused(llama_dir, tmp_path, name):
+    """q/k/v and gate/up are loaded into one parameter each: the parts that never came kept
+    their random initial values, and the model generated from them without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_model(llama_dir, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    del weights[name]
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"checkpoint is missing weights: \['{name}'\]"):
+        LLM(str(folder))
+
+
+def test_rope_tables_in_a_checkpoint_are_skipped_and_a_differing_tied_head_is_named(
+        llama_dir, tmp_path, caplog):
+    """Some trainers save RoPE's cos/sin tables (vLLM skips them); a head stored beside
+    tied embeddings is left out, as vLLM does, with a warning where it differs."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_model(llama_dir, tmp_path)
+    edit_config(folder, tie_word_embeddings=True)
+    weights = load_file(folder / "model.safetensors")
+    expected = LLM(str(folder)).generate([[5, 6, 7]], SamplingParams(max_tokens=6),
+                                         use_tqdm=False)[0].outputs[0].token_ids
+    weights["model.layers.0.self_attn.rotary_emb.cos_cached"] = torch.ones(4, 4)
+    weights["model.layers.0.self_attn.rotary_emb.sin_cached"] = torch.ones(4, 4)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, folder / "model.safetensors")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fulcrum"):
+        llm = LLM(str(folder))
+    assert "lm_head.weight differs" not in caplog.text
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6),
+                        use_tqdm=False)[0].outputs[0].token_ids == expected
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 1.0
+    save_file(weights, folder / "model.safetensors")
+    with caplog.at_level("WARNING", logger="fulcrum"):
+        LLM(str(folder))
+    assert "the checkpoint's lm_head.weight differs from its embeddings" in caplog.text
+
+
 @pytest.mark.parametrize("device, message", [
     ("tpu", "fulcrum runs on 'cpu', 'cuda'"), ("meta", "fulcrum runs on 'cpu', 'cuda'"),
     (7, "device must be a string, got 7"),

@@ -9,6 +9,7 @@ and the LM head then combine the ranks' parts with one collective each.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -20,13 +21,14 @@ from torch import nn
 from fulcrum import kernels
 from fulcrum.models.native_stack import NativeStack
 from fulcrum.models.sharding import Shard
-from fulcrum.models.spec import DecoderSpec
+from fulcrum.models.spec import DecoderSpec, yarn_factor
 from fulcrum.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------- normalisation
@@ -65,29 +67,63 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+def _yarn_inv_freq(inv_freq: torch.Tensor, spec: DecoderSpec) -> Tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023), as transformers computes it: frequencies that turn fewer than
+    beta_slow times over the pretrained length are divided by the factor, those turning more
+    than beta_fast times kept, a linear ramp between; and the attention factor that scales
+    cos and sin."""
+    scaling, head_dim = spec.rope_scaling, spec.head_dim
+    factor, base = yarn_factor(spec), spec.rope_theta
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(spec.original_max_positions / (rotations * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low)
+            / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position, one
+    row for each position the model serves (`spec.max_context_len`)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[Dict[str, Any]]) -> None:
+    def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; "
+        head_dim, scaling = spec.head_dim, spec.rope_scaling
+        inv_freq = 1.0 / (spec.rope_theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if spec.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE scaling type {spec.rope_type!r}; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if rope_type == "llama3":
+        attention = 1.0
+        if spec.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        if rope_type == "linear":
+        elif spec.rope_type == "yarn":
+            inv_freq, attention = _yarn_inv_freq(inv_freq, spec)
+        positions = torch.arange(spec.max_context_len, dtype=torch.float32)
+        if spec.rope_type == "linear":
             positions = positions / scaling["factor"]
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
         """This step's positions, with their cos/sin rows looked up once for every layer
@@ -296,8 +332,7 @@ class DecoderModel(nn.Module):
                  group: Optional["ParallelGroup"] = None) -> None:
         super().__init__()
         spec = shard.local_spec
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
-                                      spec.rope_theta, spec.rope_scaling)
+        self.rotary = RotaryEmbedding(spec)
         self.embed_tokens = VocabEmbedding(shard, group)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, group)
                                     for _ in range(spec.num_layers))
@@ -379,13 +414,16 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters (this
-        rank's slice of each: a tensor may be a lazy safetensors slice)."""
+        rank's slice of each: a tensor may be a lazy safetensors slice). Every part of a
+        fused parameter must come: one left out would keep its random initial values."""
         params = dict(self.named_parameters())
         loaded = set()
+        untied_head = None
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if any(f"rotary_emb.{buffer}" in name for buffer in ROTARY_BUFFERS):
                 continue
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                untied_head = self.shard.slice(name, tensor)  # read now: its file closes
                 continue
             target, shard = _fused_target(name)
             if target not in params:
@@ -400,13 +438,50 @@ class DecoderForCausalLM(nn.Module):
             else:
                 module = self.get_submodule(target.rsplit(".", 1)[0])
                 module.load_shard(target.rsplit(".", 1)[1], shard, tensor)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if self.spec.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+            loaded.add((target, shard))
+        missing = sorted(_hf_name(target, shard) for target, shard in self._expected_parts()
+                         if (target, shard) not in loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}"
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
+        if untied_head is not None:
+            self._warn_if_head_differs(untied_head)
+
+    def _expected_parts(self) -> List[Tuple[str, Optional[int]]]:
+        """(parameter, part) for every tensor a checkpoint must hold: each part of a fused
+        parameter, None for the others; a tied LM head is the embeddings'."""
+        parts = []
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, MergedLinear):
+                parts += [(name, shard) for shard in range(len(module.output_sizes))]
+            elif not (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                parts.append((name, None))
+        return parts
+
+    def _warn_if_head_differs(self, head) -> None:
+        """The config ties the LM head to the embeddings, yet the checkpoint holds a head of
+        its own: it is left out, as vLLM does (transformers 5 unties them when they
+        differ), so say so where they differ."""
+        embeddings = self.model.embed_tokens.weight
+        if head.shape != embeddings.shape or not torch.equal(head.to(embeddings.dtype),
+                                                              embeddings):
+            logger.warning("the checkpoint's lm_head.weight differs from its embeddings, but "
+                           "config.json ties them (tie_word_embeddings): the embeddings serve "
+                           "as the LM head, as in vLLM (transformers 5 would use the stored "
+                           "head); set tie_word_embeddings to false to use it")
+
+
+# Non-persistent RoPE tables some checkpoints carry (vLLM skips the same names).
+ROTARY_BUFFERS = ("inv_freq", "cos_cached", "sin_cached")
+
+
+def _hf_name(target: str, shard: Optional[int]) -> str:
+    """The checkpoint's name of part `shard` of the fused parameter `target`."""
+    for part, (fused, index) in STACKED_PARAMS.items():
+        if index == shard and f".{fused}." in target:
+            return target.replace(f".{fused}.", f".{part}.")
+    return target
 
 
 def _fused_target(name: str) -> Tuple[str, Optional[int]]:

@@ -10,9 +10,19 @@ from fulcrum.models.llama import decoder_spec
 
 
 def reject_sliding_window(cfg: Dict[str, Any]) -> None:
-    if cfg.get("use_sliding_window"):
-        raise ValueError("Qwen models with use_sliding_window=True (per-layer windows) are not "
-                         "supported")
+    """Refuse a model whose layers slide: transformers gives layer i a window only where
+    use_sliding_window is set and its layer_types (by default: every layer from
+    max_window_layers on) say "sliding_attention"."""
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                       else "full_attention" for i in range(layers)]
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    if sliding:
+        raise ValueError(f"Qwen models whose layers slide are not supported (per-layer "
+                         f"windows): layer {sliding[0]} of {layers} slides (use_sliding_window "
+                         f"with max_window_layers={cfg.get('max_window_layers', 28)})")
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

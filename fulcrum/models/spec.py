@@ -27,3 +27,32 @@ class DecoderSpec:
     qk_norm: bool = False
     sliding_window: Optional[int] = None
     hidden_act: str = "silu"
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @property
+    def original_max_positions(self) -> int:
+        """The context the model was pretrained on, where a RoPE scaling names one."""
+        return int((self.rope_scaling or {}).get("original_max_position_embeddings")
+                   or self.max_position_embeddings)
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model serves: max_position_embeddings, stretched by the
+        factor of a linear or YaRN RoPE scaling (vLLM's rule: YaRN's from the pretrained
+        length; Llama 3's scaling is already counted in max_position_embeddings)."""
+        if self.rope_type == "linear":
+            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+        if self.rope_type == "yarn":
+            return int(self.original_max_positions * yarn_factor(self))
+        return self.max_position_embeddings
+
+
+def yarn_factor(spec: DecoderSpec) -> float:
+    """YaRN's stretch: its `factor`, or where it gives none, max_position_embeddings over the
+    pretrained length (transformers' rule)."""
+    factor = (spec.rope_scaling or {}).get("factor")
+    return float(factor) if factor else spec.max_position_embeddings / spec.original_max_positions

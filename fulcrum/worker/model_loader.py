@@ -51,14 +51,20 @@ def resolve_dtype(dtype: str, hf_config: Dict[str, Any]) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _safetensors_files(folder: Path) -> list:
-    index = folder / "model.safetensors.index.json"
+# What a Trainer saves beside the weights (vLLM leaves out the same files).
+_TRAINING_FILES = ("training_args.bin", "optimizer.bin")
+
+
+def _weight_files(folder: Path, index_name: str, pattern: str) -> list:
+    """The files an index names (a sharded checkpoint), else every file of `pattern` but a
+    Trainer's own."""
+    index = folder / index_name
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
         return [folder / name for name in sorted(set(weight_map.values()))]
-    return sorted(folder.glob("*.safetensors"))
+    return sorted(f for f in folder.glob(pattern) if f.name not in _TRAINING_FILES)
 
 
 def _safetensors_slices(file: Path) -> Iterator[Tuple[str, Any]]:
@@ -77,7 +83,7 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
     the part a tensor-parallel rank asks for."""
     folder = Path(model_dir)
     if load_format in ("auto", "safetensors"):
-        files = _safetensors_files(folder)
+        files = _weight_files(folder, "model.safetensors.index.json", "*.safetensors")
         if files:
             for file in files:
                 yield from _safetensors_slices(file)
@@ -88,7 +94,7 @@ def iter_weights(model_dir: str, load_format: str) -> Iterator[Tuple[str, Any]]:
             f"{model_dir!r} has only PyTorch *.bin weights; pass load_format='pt' to load them "
             "(read with torch.load(weights_only=True))")
     if load_format == "pt":
-        files = sorted(folder.glob("*.bin"))
+        files = _weight_files(folder, "pytorch_model.bin.index.json", "*.bin")
         if not files:
             raise FileNotFoundError(f"no *.bin weights in {model_dir!r}")
         for file in files:
