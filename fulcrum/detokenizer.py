@@ -57,12 +57,14 @@ class IncrementalDetokenizer:
         self.stop_strings = params.stop
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
 
-    def update(self, new_token_ids: List[int], check_stop: bool = True) -> Optional[str]:
+    def update(self, new_token_ids: List[int], check_stop: bool = True,
+               final: bool = False) -> Optional[str]:
         """Append tokens; return the stop string that ends the request, if one appeared.
 
         `check_stop` is False while min_tokens holds stop strings back; as in vLLM, text
         appended then is not searched later either, except where a stop string could start
-        in it and end in the new text.
+        in it and end in the new text. `final`: the request ends with these tokens, so the
+        text of those still unread is added too (see `flush`).
         """
         searched_from = len(self.output_text)
         for token_id in new_token_ids:
@@ -72,6 +74,8 @@ class IncrementalDetokenizer:
             self.output_text += text
             if self.text_offsets is not None:
                 self.text_offsets.append(start + own_start)
+        if final:
+            self.flush()
         if not self.stop_strings or not check_stop:
             return None
         return self._find_stop(max(0, searched_from - self.hold_back))
@@ -79,18 +83,34 @@ class IncrementalDetokenizer:
     def _context(self, prompt: List[int]) -> Tuple[List[int], int]:
         """(prompt tokens to decode the output after, how many of them count as text already
         read): whole characters, then the start of one the prompt leaves incomplete, which
-        the output's text then includes once complete. ([], 0) where no such context is
-        found: the output is decoded on its own."""
+        the output's text then includes once complete. Where every window holds a U+FFFD
+        (bytes that are no character, or the character itself), the last `most` tokens, all
+        read (vLLM primes its decoder with the prompt so): decoded on its own, the output
+        would lose a SentencePiece word's leading space."""
         fewest, most = CONTEXT_TOKENS
         for partial in range(min(MAX_PARTIAL_TOKENS, len(prompt) - 1) + 1):
             whole = prompt[:len(prompt) - partial]
             for count in range(min(fewest, len(whole)), min(most, len(whole)) + 1):
                 if "\ufffd" not in self._decode(whole[-count:]):
                     return whole[-count:] + prompt[len(whole):], count
-        return [], 0
+        return prompt[-most:], len(prompt[-most:])
 
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, self.params.skip_special_tokens)
+
+    def flush(self) -> None:
+        """The text of the tokens still unread, at the request's end: their complete
+        characters, and a character they leave incomplete as U+FFFD, as tokenizer.decode
+        gives it (a token holding one character and the first byte of the next would
+        otherwise take both with it)."""
+        if self.read_offset == len(self.tokens):
+            return
+        before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset:])
+        before = self._prompts_part(before, after)
+        if after.startswith(before):
+            self.output_text += after[len(before):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
 
     def skip(self) -> None:
         """A token whose text the output leaves out (a stop token): it starts where the

@@ -114,10 +114,12 @@ class OutputProcessor:
         if (request.status is RequestStatus.FINISHED_STOPPED
                 and not request.sampling_params.include_stop_str_in_output):
             child.detokenizer.skip()  # the stop token itself is not part of the text
+            child.detokenizer.flush()
             return False
         # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
         stop = child.detokenizer.update(
-            [token.token_id], request.num_output_tokens > request.sampling_params.min_tokens)
+            [token.token_id], request.num_output_tokens > request.sampling_params.min_tokens,
+            final=request.is_finished)
         if stop is None:
             return False
         if request.status is RequestStatus.FINISHED_LENGTH:

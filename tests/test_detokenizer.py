@@ -247,6 +247,68 @@ def test_bytes_at_the_prompt_end_that_no_output_completes_stay_the_prompts(byte_
         assert detok.output_text == "éxy", prompt
 
 
+def test_a_prompt_ending_in_u_fffd_keeps_the_outputs_leading_space(stories_tok):
+    """No window of the prompt's last tokens is free of U+FFFD (a literal one, or bytes that
+    are no character): the output is still decoded after the prompt's last tokens, so a
+    SentencePiece word keeps its leading space (decoded alone it lost it)."""
+    lily = stories_tok.vocab()["\u2581Lily"]
+    for prompt in ("Mojibake \ufffd\ufffd here", "a girl \ufffd"):
+        prompt_ids = stories_tok.encode(prompt)
+        detok = IncrementalDetokenizer(stories_tok, SamplingParams(), prompt_ids)
+        detok.update([lily])
+        detok.update([lily])
+        whole = stories_tok.decode(prompt_ids + [lily, lily])
+        assert detok.output_text == whole[len(stories_tok.decode(prompt_ids)):] == " Lily Lily"
+
+
+def merged_byte_tokenizer(tmp_path) -> Tokenizer:
+    """A byte-level BPE tokenizer (Qwen2's kind) with one token that holds a whole character
+    and the first byte of the next: "日" + the lead byte of "本"."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+    def chars(text: str) -> str:  # one character for each byte of the text's UTF-8
+        return byte_level.pre_tokenize_str(text)[0][0]
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    pieces = list(chars("日")) + [chars("本")[0]]
+    merges, token = [], pieces[0]
+    for piece in pieces[1:]:
+        merges.append((token, piece))
+        token += piece
+        vocab[token] = len(vocab)
+    model = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    model.pre_tokenizer = byte_level
+    model.decoder = decoders.ByteLevel()
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    model.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    return Tokenizer(str(folder))
+
+
+def test_the_text_of_tokens_still_unread_at_the_end_is_flushed(tmp_path):
+    """An output that ends on a token leaving a character incomplete: its text is what
+    tokenizer.decode gives (the complete characters that token holds, then U+FFFD), where
+    it was dropped whole; while the request runs, that token's text stays unread."""
+    tok = merged_byte_tokenizer(tmp_path)
+    merged = max(tok.vocab().values())
+    assert tok.decode([merged]) == "日\ufffd"
+    output = encode(tok, "hi ") + [merged]
+    running = IncrementalDetokenizer(tok, SamplingParams(), encode(tok, "Say: "))
+    running.update(output)
+    assert running.output_text == "hi "
+    ending = IncrementalDetokenizer(tok, SamplingParams(), encode(tok, "Say: "))
+    ending.update(output, final=True)
+    assert ending.output_text == tok.decode(output) == "hi 日\ufffd"
+    completed = IncrementalDetokenizer(tok, SamplingParams(), encode(tok, "Say: "))
+    completed.update(output + encode(tok, "本")[1:], final=True)
+    assert completed.output_text == "hi 日本"
+
+
 def offsets_of(tokenizer: Tokenizer, ids: List[int], chunk: int = 1, **params) -> List[int]:
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(**params), record_offsets=True)
     for i in range(0, len(ids), chunk):
