@@ -71,10 +71,16 @@ from fulcrum.core.request import RequestMetrics
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.stats import StepReport, StepStats
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# vLLM's bounds at the top (a request may wait or run for many minutes on a CPU: past the
+# last bound every quantile reads as that bound); finer ones below a second, where a CPU
+# engine's TTFT, queue and token times fall.
+_UNDER_160_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = _UNDER_160_S + (640.0, 2560.0)  # vLLM's time_to_first_token buckets' top
+REQUEST_LATENCY_BUCKETS = _UNDER_160_S + (240.0, 480.0, 960.0, 1920.0, 7680.0)  # vLLM's e2e
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                         80.0)  # vLLM's inter_token_latency buckets' top
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                      0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -125,6 +131,7 @@ class _Progress:
     """What the metrics remember about a completion between its outputs."""
 
     tokens: int = 0
+    prompt_counted: bool = False
     last_time: Optional[float] = None  # when its latest tokens left the engine
     # Counted as finished: it comes again in its request's later CUMULATIVE outputs (while
     # its siblings run on) and in an error output, and must not count twice.
@@ -232,15 +239,15 @@ class EngineMetrics:
                                    "Time between a request's consecutive outputs",
                                    TOKEN_LATENCY_BUCKETS)
         self.e2e = self._histogram("fulcrum:e2e_request_latency_seconds",
-                                   "Arrival to finish", LATENCY_BUCKETS)
+                                   "Arrival to finish", REQUEST_LATENCY_BUCKETS)
         self.queue_time = self._histogram("fulcrum:request_queue_time_seconds",
-                                          "Arrival to first scheduled", LATENCY_BUCKETS)
+                                          "Arrival to first scheduled", REQUEST_LATENCY_BUCKETS)
         self.prefill_time = self._histogram("fulcrum:request_prefill_time_seconds",
-                                            "First scheduled to first token", LATENCY_BUCKETS)
+                                            "First scheduled to first token", REQUEST_LATENCY_BUCKETS)
         self.decode_time = self._histogram("fulcrum:request_decode_time_seconds",
-                                           "First token to last token", LATENCY_BUCKETS)
+                                           "First token to last token", REQUEST_LATENCY_BUCKETS)
         self.inference_time = self._histogram("fulcrum:request_inference_time_seconds",
-                                              "First scheduled to last token", LATENCY_BUCKETS)
+                                              "First scheduled to last token", REQUEST_LATENCY_BUCKETS)
         lengths = length_buckets(self._engine.config.max_model_len)
         self.request_prompt_tokens = self._histogram("fulcrum:request_prompt_tokens",
                                                      "Prompt tokens per request", lengths)
@@ -319,15 +326,16 @@ class EngineMetrics:
 
     def _record_output(self, output: RequestOutput, now: float, cumulative: bool) -> None:
         """As vLLM, which runs each of a request's n completions as a request of its own,
-        counts: per completion, its prompt included."""
+        counts: per completion, its prompt included, once its first token is out (a request
+        aborted or failed before then computed no prompt that counts)."""
         completions = self._progress.setdefault(output.request_id, {})
         for completion in output.outputs:
-            progress = completions.get(completion.index)
-            if progress is None:
-                progress = completions[completion.index] = _Progress()
-                self._count_prompt(len(output.prompt_token_ids))
+            progress = completions.setdefault(completion.index, _Progress())
             if not progress.finished:
                 self._record_tokens(completion, progress, now, cumulative)
+            if progress.tokens and not progress.prompt_counted:
+                progress.prompt_counted = True
+                self._count_prompt(len(output.prompt_token_ids))
         if output.finished:
             del self._progress[output.request_id]
 

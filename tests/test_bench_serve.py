@@ -63,6 +63,33 @@ def test_run_load_streams_token_ids_and_reads_usage():
     assert duration >= 0.05  # the second request waited for its arrival time
 
 
+def test_a_stream_that_fails_mid_way_is_a_failure_and_lengths_are_what_came():
+    """A request that fails after its first tokens gets an error event, then the stream
+    ends as usual without usage: it was counted a success of the full length asked for,
+    which inflated throughput, TPOT and goodput. Without usage, a stream is credited with
+    the chunks that carried tokens, not with max_tokens."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        token = {"choices": [{"index": 0, "text": "a"}]}
+        if json.loads(request.content)["prompt"] == [9]:
+            return httpx.Response(200, content=_sse(token, token, {"error": {
+                "message": "processing the output failed", "type": "InternalServerError",
+                "code": 500}}))
+        return httpx.Response(200, content=_sse(token, token, token))
+
+    timed = [(0.0, SampleRequest([9], 1, 100)), (0.0, SampleRequest([1], 1, 100))]
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_load(client, "http://127.0.0.1/v1/completions", "m", timed,
+                                  show_progress=False)
+
+    (failed, unreported), _ = asyncio.run(main())
+    assert not failed.completed
+    assert failed.error.startswith("RuntimeError: the stream reported an error after 2 chunks")
+    assert "processing the output failed" in failed.error
+    assert unreported.completed and unreported.output_len == 3
+
+
 @pytest.fixture
 def live_server(llama_dir):
     port = free_port()

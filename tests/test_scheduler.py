@@ -380,6 +380,13 @@ def test_prefix_cache_counters_count_each_request_once_as_vllm():
     sim.run()
     assert sim.sched.prefix_cache_queries == 24
     assert sim.sched.prefix_cache_hits == 4  # one full block; the last token is recomputed
+    # A request asking for prompt logprobs computes its prompt whole, reading no cache: it
+    # is no query (it lowered the hit rate as a miss).
+    scoring = sim.add("scoring", prompt_len=0, max_tokens=2,
+                      tokens=list(sim.all["first"].prompt_token_ids))
+    scoring.prompt_logprobs = []
+    sim.run()
+    assert (sim.sched.prefix_cache_queries, sim.sched.prefix_cache_hits) == (24, 4)
 
 
 def test_request_preempts_itself_when_it_is_the_worst():

@@ -186,6 +186,49 @@ def test_latencies_count_each_completion_and_only_real_token_gaps():
     assert get("fulcrum:generation_tokens_total") == 3
 
 
+def test_a_prompt_counts_once_its_completion_has_a_token():
+    """vLLM counts a prompt where its first token comes: one aborted while it waited (or
+    failed before any token) computed nothing that counts; an n=2 request counts its
+    prompt for each completion that got a token."""
+    metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
+    waited = _metrics(first=None, last=None)
+    aborted = RequestOutput("w", "p", list(range(100)), [CompletionOutput(
+        0, "", [], None, None, finish_reason="abort", metrics=waited)], True, metrics=waited)
+    ran = _metrics(first=100.25, last=100.25)
+    running = RequestOutput("r", "p", list(range(40)), [
+        CompletionOutput(0, "a", [5], None, None, metrics=ran),
+        CompletionOutput(1, "", [], None, None, metrics=ran)], False, metrics=ran)
+    metrics.record(StepReport([aborted, running], None, 0, 100.25))
+    samples = _samples(metrics)
+    assert samples[("fulcrum:prompt_tokens_total", ())] == 40
+    assert samples[("fulcrum:request_prompt_tokens_count", ())] == 1
+    assert metrics.totals["prompt_tokens"] == 40
+    running.outputs[1] = CompletionOutput(1, "b", [6], None, None, metrics=ran)
+    metrics.record(StepReport([running], None, 0, 100.5))
+    assert _samples(metrics)[("fulcrum:prompt_tokens_total", ())] == 80
+
+
+def test_latency_histograms_reach_vllms_top_buckets():
+    """A request may run for many minutes on a CPU: past the last bound every quantile
+    reads as that bound (160 s), so the phases end at vLLM's 7,680 s, TTFT at 2,560 s and
+    the token gaps at 80 s."""
+    metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
+    text = generate_latest(metrics.registry).decode()
+    tops = {}
+    for family in text_string_to_metric_families(text):
+        bounds = [float(s.labels["le"]) for s in family.samples
+                  if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+        if bounds:
+            tops[family.name] = max(bounds)
+    assert tops["fulcrum:time_to_first_token_seconds"] == 2560.0
+    for phase in ("e2e_request_latency", "request_queue_time", "request_prefill_time",
+                  "request_decode_time", "request_inference_time"):
+        assert tops[f"fulcrum:{phase}_seconds"] == 7680.0, phase
+    for gap in ("inter_token_latency", "time_per_output_token",
+                "request_time_per_output_token"):
+        assert tops[f"fulcrum:{gap}_seconds"] == 80.0, gap
+
+
 def test_step_histograms_and_prediction_error():
     metrics = ServerMetrics(_FakeAsyncLLM(), MODEL)
     steps = [_stats(0, 48, 0, 0.5, 0.4), _stats(1, 10, 6, 0.25, 0.3),

@@ -39,26 +39,33 @@ def parse_sse_line(line: str) -> Optional[Dict[str, Any]]:
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str,
                        request: SampleRequest) -> RequestTimeline:
-    """Stream one completion; a chunk with choices counts as carrying a token (as vLLM)."""
+    """Stream one completion; a chunk with choices counts as carrying a token (as vLLM). An
+    error event fails the request (a server reports a request that fails mid-way so, then
+    ends the stream as usual). The output's length is the usage the server reports, else the
+    chunks that carried tokens (at least one token each), never the length asked for."""
     timeline = RequestTimeline(send_time=time.perf_counter(), prompt_len=request.prompt_len,
-                               output_len=request.output_len, group=request.group)
+                               output_len=0, group=request.group)
     try:
         async with client.stream("POST", url, json=completion_payload(model, request)) as reply:
             if reply.status_code != 200:
                 body = (await reply.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {reply.status_code}: {body[:300]}")
+            usage = None
             async for line in reply.aiter_lines():
                 chunk = parse_sse_line(line)
                 if chunk is None:
                     continue
+                if chunk.get("error"):
+                    raise RuntimeError(f"the stream reported an error after "
+                                       f"{len(timeline.chunk_times)} chunks: "
+                                       f"{json.dumps(chunk['error'])[:300]}")
                 if chunk.get("choices"):
                     timeline.chunk_times.append(time.perf_counter())
-                usage = chunk.get("usage")
-                if usage:
-                    timeline.output_len = usage.get("completion_tokens", timeline.output_len)
-                    timeline.prompt_len = usage.get("prompt_tokens", timeline.prompt_len)
+                usage = chunk.get("usage") or usage
         if not timeline.chunk_times:
             raise RuntimeError("the stream carried no tokens")
+        timeline.output_len = (usage or {}).get("completion_tokens", len(timeline.chunk_times))
+        timeline.prompt_len = (usage or {}).get("prompt_tokens", timeline.prompt_len)
     except (httpx.HTTPError, RuntimeError, ValueError) as error:
         timeline.success, timeline.error = False, f"{type(error).__name__}: {error}"
     return timeline

@@ -257,8 +257,9 @@ class Scheduler:
             request.metrics.first_scheduled_time = self.clock()
             request.metrics.num_cached_tokens = computed.num_tokens
             # As vLLM's counters: a request's own lookup; one resumed after a preemption
-            # finds its own blocks again, which says nothing of prompts sharing a prefix.
-            if self.kv.enable_prefix_caching:
+            # finds its own blocks again, which says nothing of prompts sharing a prefix,
+            # and one asking for prompt logprobs does not look (its prompt is computed whole).
+            if self.kv.enable_prefix_caching and request.prompt_logprobs is None:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += computed.num_tokens
         plan.add(request, num_new)
