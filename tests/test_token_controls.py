@@ -286,6 +286,33 @@ def test_server_echo_with_logprobs_covers_the_prompt(server, llama_dir):
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 
+def test_server_echo_with_max_tokens_0_scores_the_prompt_alone(server, llama_dir):
+    """OpenAI's (and vLLM's) way to score a prompt: echo with max_tokens 0 returns the
+    prompt, its logprobs and no generated token, whole or streamed (it was a 400)."""
+    reference = hf_prompt_logprobs(llama_dir, PROMPT)
+    prompt_text = httpx.post(server.url + "/detokenize", json={"tokens": PROMPT}).json()["prompt"]
+    body = complete(server, echo=True, logprobs=1, max_tokens=0, n=2)
+    assert body["usage"]["completion_tokens"] == 0
+    for choice in body["choices"]:
+        assert choice["text"] == prompt_text and choice["finish_reason"] == "length"
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(PROMPT)
+        assert logprobs["token_logprobs"][-1] == pytest.approx(
+            reference[-2][PROMPT[-1]].item(), abs=1e-4)
+    streamed, finish = "", []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 0, "echo": True, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c["text"]
+                    finish.append(c["finish_reason"])
+    assert streamed == prompt_text and finish[-1] == "length"
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    assert reply.status_code == 400 and "max_tokens" in reply.text  # without echo: nothing
+
+
 def test_server_prompt_logprobs_field(server, llama_dir):
     reference = hf_prompt_logprobs(llama_dir, PROMPT)
     body = complete(server, prompt_logprobs=1)

@@ -216,8 +216,9 @@ class _Generation:
 
     def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
                  tokenizer: Optional[Tokenizer] = None,
-                 decoded: Sequence[bool] = ()) -> None:
+                 decoded: Sequence[bool] = (), prompt_only: bool = False) -> None:
         self.n = n
+        self.prompt_only = prompt_only  # echo with max_tokens 0: no generated token shown
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
         decoded = list(decoded) or [False] * len(prompts)
         self.choices = [choice for index, prompt in enumerate(prompts)
@@ -246,6 +247,8 @@ class _Generation:
                 choice.prompt_logprobs = output.prompt_logprobs
         for completion in output.outputs:
             choice = self.choices[prompt_index * self.n + completion.index]
+            if self.prompt_only:
+                completion = _nothing_generated(completion)
             yield choice, choice.add(completion)
 
     async def consume(self, outputs: AsyncIterator[Tuple[int, RequestOutput]]) -> None:
@@ -271,6 +274,16 @@ class _Generation:
         prompt_index = choice.index // self.n
         return _usage_info(len(self.prompt_ids[prompt_index]), len(choice.token_ids),
                            self.cached_tokens[prompt_index])
+
+
+def _nothing_generated(completion: CompletionOutput) -> CompletionOutput:
+    """A completion asked for no token (echo with max_tokens 0): the one the engine ran
+    left out, and finished as max_tokens ends it, unless it failed or was aborted."""
+    finish = completion.finish_reason
+    return dataclasses.replace(
+        completion, text="", token_ids=[], logprobs=None if completion.logprobs is None else [],
+        text_offsets=None if completion.text_offsets is None else [],
+        finish_reason="length" if finish in ("stop", "length") else finish, stop_reason=None)
 
 
 def _usage_info(prompt: int, completion: int, cached: Optional[int]) -> UsageInfo:
@@ -504,7 +517,12 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Request) -> Union[Response, BaseModel]:
         ids = request_ids("cmpl", raw_request, request)
-        params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        # OpenAI's way to score a prompt: echo with max_tokens 0 returns the prompt alone
+        # (with its logprobs where asked). The engine runs one token (vLLM's way too), which
+        # the choices leave out.
+        prompt_only = request.echo and request.max_tokens == 0
+        params = self._sampling_params(request, 1 if prompt_only else request.max_tokens,
+                                       request.logprobs)
         if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
         def prepare() -> Tuple[List[EnginePrompt], SamplingParams, _Generation]:
@@ -512,7 +530,8 @@ class OpenAIServing:
             return prompts, self._check(prompts, params, request), _Generation(
                 prompts, request.n, request.echo,
                 None if request.logprobs is None else self.llm.tokenizer,
-                [given != text for given, (text, _) in zip(request.prompts(), prompts)])
+                [given != text for given, (text, _) in zip(request.prompts(), prompts)],
+                prompt_only)
 
         given = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in given)
