@@ -84,16 +84,21 @@ class IncrementalDetokenizer:
         """(prompt tokens to decode the output after, how many of them count as text already
         read): whole characters, then the start of one the prompt leaves incomplete, which
         the output's text then includes once complete. Where every window holds a U+FFFD
-        (bytes that are no character, or the character itself), the last `most` tokens, all
-        read (vLLM primes its decoder with the prompt so): decoded on its own, the output
-        would lose a SentencePiece word's leading space."""
+        (bytes that are no character, or the character itself), the last `most` tokens (vLLM
+        primes its decoder with the prompt so: decoded on its own, the output would lose a
+        SentencePiece word's leading space), all read but the start of a character the
+        prompt leaves incomplete."""
         fewest, most = CONTEXT_TOKENS
-        for partial in range(min(MAX_PARTIAL_TOKENS, len(prompt) - 1) + 1):
+        partials = range(min(MAX_PARTIAL_TOKENS, len(prompt) - 1) + 1)
+        for partial in partials:
             whole = prompt[:len(prompt) - partial]
             for count in range(min(fewest, len(whole)), min(most, len(whole)) + 1):
                 if "\ufffd" not in self._decode(whole[-count:]):
                     return whole[-count:] + prompt[len(whole):], count
-        return prompt[-most:], len(prompt[-most:])
+        partial = next((p for p in partials if not self._decode(
+            prompt[-most:len(prompt) - p]).endswith("\ufffd")), 0)
+        context = prompt[-most:]
+        return context, len(context) - partial
 
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, self.params.skip_special_tokens)
@@ -111,6 +116,15 @@ class IncrementalDetokenizer:
         if after.startswith(before):
             self.output_text += after[len(before):]
         self.prefix_offset = self.read_offset = len(self.tokens)
+
+    def finish(self, check_stop: bool = True) -> Optional[str]:
+        """The request ends on a token whose text it leaves out (a stop token): the text of
+        those still unread (`flush`), searched for stop strings as `update`'s is."""
+        searched_from = len(self.output_text)
+        self.flush()
+        if not self.stop_strings or not check_stop or len(self.output_text) == searched_from:
+            return None
+        return self._find_stop(max(0, searched_from - self.hold_back))
 
     def skip(self) -> None:
         """A token whose text the output leaves out (a stop token): it starts where the

@@ -314,7 +314,10 @@ class LLMEngine:
 
     def bad_words_token_ids(self, words: Optional[Sequence[str]]) -> List[List[int]]:
         """Each bad word as token ids, alone and after a space (vLLM's two spellings; the
-        second only where it is a different word of as many tokens)."""
+        second only where it is a different word of as many tokens). A spelling with a token
+        the model cannot produce (a tokenizer's added token past the model's vocabulary)
+        can never be completed, so it is left out: the sampler bans ids by their place in
+        the batch's flat logits, where such an id would land on the next request's row."""
         found: List[List[int]] = []
         for word in words or []:
             alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -322,7 +325,7 @@ class LLMEngine:
             found.append(alone)
             if spaced[0] != alone[0] and len(spaced) == len(alone):
                 found.append(spaced)
-        return found
+        return [ids for ids in found if all(t < self.vocab_size for t in ids)]
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:

@@ -243,11 +243,13 @@ class EngineMetrics:
         self.queue_time = self._histogram("fulcrum:request_queue_time_seconds",
                                           "Arrival to first scheduled", REQUEST_LATENCY_BUCKETS)
         self.prefill_time = self._histogram("fulcrum:request_prefill_time_seconds",
-                                            "First scheduled to first token", REQUEST_LATENCY_BUCKETS)
+                                            "First scheduled to first token",
+                                            REQUEST_LATENCY_BUCKETS)
         self.decode_time = self._histogram("fulcrum:request_decode_time_seconds",
                                            "First token to last token", REQUEST_LATENCY_BUCKETS)
         self.inference_time = self._histogram("fulcrum:request_inference_time_seconds",
-                                              "First scheduled to last token", REQUEST_LATENCY_BUCKETS)
+                                              "First scheduled to last token",
+                                              REQUEST_LATENCY_BUCKETS)
         lengths = length_buckets(self._engine.config.max_model_len)
         self.request_prompt_tokens = self._histogram("fulcrum:request_prompt_tokens",
                                                      "Prompt tokens per request", lengths)

@@ -113,8 +113,11 @@ class OutputProcessor:
         request = child.request
         if (request.status is RequestStatus.FINISHED_STOPPED
                 and not request.sampling_params.include_stop_str_in_output):
+            stop = child.detokenizer.finish(
+                request.num_output_tokens > request.sampling_params.min_tokens)
             child.detokenizer.skip()  # the stop token itself is not part of the text
-            child.detokenizer.flush()
+            if stop is not None:
+                request.stop_reason = stop  # the string outranks the stop token (vLLM)
             return False
         # As in vLLM, a stop string counts only in text after the first min_tokens tokens.
         stop = child.detokenizer.update(

@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 import pytest
 
 from fulcrum.detokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer
+from fulcrum.outputs import Logprob
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
@@ -261,6 +262,19 @@ def test_a_prompt_ending_in_u_fffd_keeps_the_outputs_leading_space(stories_tok):
         assert detok.output_text == whole[len(stories_tok.decode(prompt_ids)):] == " Lily Lily"
 
 
+def test_a_prompt_ending_in_u_fffd_and_a_characters_start_lets_the_output_complete_it(
+        stories_tok):
+    """Where no window of the prompt is free of U+FFFD, the start of a character the prompt
+    leaves incomplete is still the output's to complete (it was counted as read: lost)."""
+    ni = encode(stories_tok, "你好 world")  # "▁" then 你 as three byte tokens
+    for head in ("Once", "Once \ufffd"):
+        detok = IncrementalDetokenizer(stories_tok, SamplingParams(),
+                                       stories_tok.encode(head) + ni[:2])
+        for token_id in ni[2:]:
+            detok.update([token_id])
+        assert detok.output_text == "你好 world", head
+
+
 def merged_byte_tokenizer(tmp_path) -> Tokenizer:
     """A byte-level BPE tokenizer (Qwen2's kind) with one token that holds a whole character
     and the first byte of the next: "日" + the lead byte of "本"."""
@@ -307,6 +321,32 @@ def test_the_text_of_tokens_still_unread_at_the_end_is_flushed(tmp_path):
     completed = IncrementalDetokenizer(tok, SamplingParams(), encode(tok, "Say: "))
     completed.update(output + encode(tok, "本")[1:], final=True)
     assert completed.output_text == "hi 日本"
+
+
+def test_text_flushed_at_a_stop_token_is_searched_for_stop_strings(tmp_path):
+    """A request that ends on a stop token flushes its unread text too: a stop string in it
+    cuts the text there and is the stop reason, as in text that came before; the stop
+    token's own text offset is where the text then ends."""
+    from fulcrum.core.request import Request, RequestStatus
+    from fulcrum.output_processor import OutputProcessor
+    from fulcrum.outputs import SampledToken
+
+    tok = merged_byte_tokenizer(tmp_path)
+    merged, eos = max(tok.vocab().values()), encode(tok, "!")[0]
+    for stop, text, reason in ((["日"], "hi ", "日"), ([], "hi 日\ufffd", eos)):
+        params = SamplingParams(stop=stop, stop_token_ids=[eos], max_tokens=10, logprobs=0)
+        request = Request("r", encode(tok, "Say: "), params, max_tokens=10)
+        processor = OutputProcessor(tok)
+        processor.add_request("r", None, [request])
+        tokens = encode(tok, "hi ") + [merged, eos]
+        for i, token in enumerate(tokens):
+            request.append_token(token)
+            if i == len(tokens) - 1:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, eos
+            processor.process_tokens({"r": SampledToken(token, {token: Logprob(-1.0, 1)})})
+        detokenizer = processor._parents["r"].children[0].detokenizer
+        assert (detokenizer.output_text, request.stop_reason) == (text, reason)
+        assert detokenizer.text_offsets[-1] == len(text)
 
 
 def offsets_of(tokenizer: Tokenizer, ids: List[int], chunk: int = 1, **params) -> List[int]:

@@ -66,6 +66,46 @@ def test_qwen_use_sliding_window_without_a_sliding_layer_is_full_attention(tmp_p
                    max_window_layers=1)
     with pytest.raises(ValueError, match=r"layer 1 of 2 slides"):
         LLM(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    del config["sliding_window"], config["layer_types"]  # transformers' default: 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"layer 1 of 2 slides"):
+        LLM(str(folder))
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 3.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"rope_type": "yarn", "factor": 8.0, "mscale": 0.7, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3},
+])
+def test_yarn_frequencies_and_attention_factor_are_transformers(scaling):
+    """The table itself against transformers' YaRN (a few greedy tokens of a tiny model
+    could pass with a slightly wrong ramp or factor)."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fulcrum.models.layers import RotaryEmbedding
+    from fulcrum.models.qwen2 import Qwen2ForCausalLM
+
+    config = {**_COMMON, "max_position_embeddings": MAX_POS, "rope_scaling": dict(scaling)}
+    hf = tf.Qwen2Config(**config)
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    spec = Qwen2ForCausalLM.spec_from_config(json.loads(hf.to_json_string()))
+    table = RotaryEmbedding(spec)
+    positions = torch.arange(spec.max_context_len, dtype=torch.float32)
+    expected = torch.cat([torch.outer(positions, inv_freq)] * 2, dim=-1)
+    assert torch.allclose(table.cos, expected.cos() * attention, atol=2e-5)
+    assert torch.allclose(table.sin, expected.sin() * attention, atol=2e-5)
+
+
+def test_a_linear_scaling_without_a_factor_is_named():
+    from fulcrum.models.llama import LlamaForCausalLM
+
+    spec = LlamaForCausalLM.spec_from_config({**_COMMON, "rope_scaling": {"type": "linear"}})
+    with pytest.raises(ValueError, match=r"rope_scaling of type 'linear' needs a factor"):
+        spec.max_context_len
 
 
 def test_pytorch_bin_checkpoints_load_as_trainer_saves_them(llama_dir, tmp_path):

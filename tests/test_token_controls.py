@@ -55,6 +55,19 @@ def test_allowed_token_ids_are_the_only_ones_drawn():
     assert sample([9.0, 0.0, 1.0, 3.0], row(temperature=0.0, allowed_token_ids=[1, 2])) == 2
 
 
+def test_a_bad_word_the_model_cannot_produce_is_left_out(llama_dir):
+    """A spelling with an id past the model's vocabulary (a tokenizer's added token) can never
+    be completed; the sampler bans ids at their place in the batch's flat logits, where it
+    would land on the next request's row."""
+    engine = LLM(str(llama_dir), max_model_len=64).llm_engine
+    tokenizer = engine.tokenizer
+    (end,) = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    (e,) = tokenizer.encode("e", add_special_tokens=False)
+    assert engine.bad_words_token_ids(["<|im_end|>", "e"])[0] == [end]
+    engine.vocab_size = end  # as if the tokenizer had added <|im_end|> past the model's ids
+    assert engine.bad_words_token_ids(["<|im_end|>", "e"]) == [[e]]
+
+
 def test_bad_words_ban_the_token_that_would_complete_them():
     logits = [0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 8.0]
     one = SamplingRow("r", SamplingParams(temperature=0.0), [0], 1, bad_words_token_ids=[[5]])

@@ -3,7 +3,8 @@
 
 Prompts go as token-id lists (the completions API allows them) with `ignore_eos`, so input and
 output lengths are exact on fulcrum, vLLM and llama.cpp alike. The token count of a response
-is the server's `usage.completion_tokens` when it sends one, else the requested length.
+is the server's `usage.completion_tokens` when it sends one, else the number of chunks that
+carried tokens; a stream that reports an error fails its request.
 """
 
 from __future__ import annotations

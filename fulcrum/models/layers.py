@@ -21,7 +21,7 @@ from torch import nn
 from fulcrum import kernels
 from fulcrum.models.native_stack import NativeStack
 from fulcrum.models.sharding import Shard
-from fulcrum.models.spec import DecoderSpec, yarn_factor
+from fulcrum.models.spec import DecoderSpec, linear_factor, yarn_factor
 from fulcrum.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention = _yarn_inv_freq(inv_freq, spec)
         positions = torch.arange(spec.max_context_len, dtype=torch.float32)
         if spec.rope_type == "linear":
-            positions = positions / scaling["factor"]
+            positions = positions / linear_factor(spec)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attention, persistent=False)
@@ -464,8 +464,8 @@ class DecoderForCausalLM(nn.Module):
         its own: it is left out, as vLLM does (transformers 5 unties them when they
         differ), so say so where they differ."""
         embeddings = self.model.embed_tokens.weight
-        if head.shape != embeddings.shape or not torch.equal(head.to(embeddings.dtype),
-                                                              embeddings):
+        if head.shape != embeddings.shape or not torch.equal(
+                head.to(device=embeddings.device, dtype=embeddings.dtype), embeddings):
             logger.warning("the checkpoint's lm_head.weight differs from its embeddings, but "
                            "config.json ties them (tie_word_embeddings): the embeddings serve "
                            "as the LM head, as in vLLM (transformers 5 would use the stored "

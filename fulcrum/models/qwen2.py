@@ -13,7 +13,8 @@ def reject_sliding_window(cfg: Dict[str, Any]) -> None:
     """Refuse a model whose layers slide: transformers gives layer i a window only where
     use_sliding_window is set and its layer_types (by default: every layer from
     max_window_layers on) say "sliding_attention"."""
-    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+    # transformers' default window (4096) where the config names none; null: no window
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window", 4096) is None:
         return
     layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)

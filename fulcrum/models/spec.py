@@ -45,10 +45,18 @@ class DecoderSpec:
         factor of a linear or YaRN RoPE scaling (vLLM's rule: YaRN's from the pretrained
         length; Llama 3's scaling is already counted in max_position_embeddings)."""
         if self.rope_type == "linear":
-            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+            return int(self.max_position_embeddings * linear_factor(self))
         if self.rope_type == "yarn":
             return int(self.original_max_positions * yarn_factor(self))
         return self.max_position_embeddings
+
+
+def linear_factor(spec: DecoderSpec) -> float:
+    factor = (spec.rope_scaling or {}).get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise ValueError(f"rope_scaling of type 'linear' needs a factor (a positive number), "
+                         f"got {factor!r}")
+    return float(factor)
 
 
 def yarn_factor(spec: DecoderSpec) -> float:

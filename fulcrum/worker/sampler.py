@@ -1,6 +1,7 @@
 """Turn a batch of logits into next tokens, one vectorised pass for the whole batch.
 
-Order (as in vLLM): structured-output grammars mask the tokens they forbid; raw logprobs are taken from the model's logits; then repetition,
+Order (as in vLLM): structured-output grammars mask the tokens they forbid; raw logprobs are
+taken from the model's logits; then allowed_token_ids, bad_words and logit_bias; repetition,
 frequency and presence penalties; min_tokens masks the stop tokens; greedy rows take the
 argmax; the others are divided by their temperature, filtered by min_p, top_k and top_p, and
 sampled by inverting each row's cumulative distribution at one uniform draw (kernels.sample
@@ -263,7 +264,8 @@ def _writable_copy(logits: torch.Tensor) -> torch.Tensor:
 
 def _flat_keys(vocab: int, ids_by_row: List[Tuple[int, Sequence[int]]]) -> np.ndarray:
     """Each (row, token) as row * vocab + token: its place in the flat view of the logits.
-    Token ids were checked against the vocabulary when their request was added."""
+    Token ids were checked against the vocabulary when their request was added (bad words
+    with ids past it left out): an id past it would land on the next row."""
     parts = [row * vocab + np.asarray(ids, dtype=np.int64) for row, ids in ids_by_row if ids]
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
