@@ -340,6 +340,50 @@ def test_penalties_follow_vllms_formulas_on_every_row():
 
 
 # ------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("implementation", ["kernel", "portable kernel", "torch"])
+def test_logprobs_follow_log_softmax_to_float64_precision(implementation, request,
+                                                          monkeypatch):
+    """Logprobs on the native kernel (this CPU's build and a portable one) and on torch's path
+    against float64: each row's logprob at its token, its rank (1 + the tokens of a larger
+    logit) and its 20 most likely tokens, of equal logits the lower id first on the kernel
+    (torch's topk leaves ties in any order). Logits on a grid of 1/16 (two distinct ones
+    never round to one logprob), ties, masked tokens, a row of one value, and rows of a NaN
+    or +inf logit (which the kernel leaves to torch's path)."""
+    from fulcrum import kernels
+    from fulcrum.worker.sampler import _logprob_parts
+
+    if implementation == "portable kernel":
+        request.getfixturevalue("portable_sampling_kernel")
+    if implementation == "torch":
+        monkeypatch.setattr(kernels, "can_sample", lambda logits: False)
+    generator = torch.Generator().manual_seed(5)
+    rows, vocab, top = 12, 1003, 20  # no multiple of the kernel's vector or chunk widths
+    logits = torch.randint(-160, 160, (rows, vocab), generator=generator).float() / 16
+    logits[1, ::3] = float("-inf")
+    logits[2] = 0.5
+    logits[3, 10:] = float("-inf")  # fewer finite logits than the top asked for
+    logits[4, vocab - 1] = 30.0  # the largest in the last, partial chunk
+    logits[5, 7] = float("nan")
+    logits[6, 9] = float("inf")
+    tokens = torch.randint(0, vocab, (rows,), generator=generator).tolist()
+    tokens[1], tokens[3], tokens[4] = 3, 9, vocab - 1  # masked (-inf); the last finite; the top
+    chosen, ranks, values, ids = _logprob_parts(logits, tokens, top)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for r, token in enumerate(tokens):
+        if r in (5, 6):  # not finite: torch's answer
+            assert math.isnan(chosen[r]), r
+            continue
+        assert chosen[r] == pytest.approx(reference[r, token].item(), rel=1e-6, abs=1e-5), r
+        assert ranks[r] == 1 + int((logits[r] > logits[r, token]).sum()), r
+        order = sorted(range(vocab), key=lambda i: (-logits[r, i].item(), i))[:top]
+        if implementation == "torch":
+            assert logits[r, ids[r]].tolist() == logits[r, order].tolist(), r
+        else:
+            assert ids[r] == order, r
+        assert values[r] == pytest.approx(reference[r, ids[r]].tolist(), rel=1e-6, abs=1e-5)
+    assert _logprob_parts(logits, tokens, 0)[2] == [[]] * rows
+
+
 def test_logprobs_report_rank_and_top_k_of_raw_distribution():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     raw = torch.log_softmax(logits[0], dim=-1)

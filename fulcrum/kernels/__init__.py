@@ -5,8 +5,9 @@
 - linear_bf16.cpp: bfloat16 and int8 linear layers over weights packed once, on
   AVX512-BF16 and VNNI CPUs or, widening the weights in registers, on AVX2 and FMA ones;
 - elementwise_bf16.cpp: residual add + RMSNorm, SiLU * up and RoPE, each in one pass;
-- sampling.cpp: greedy sampling's argmax over fp32 logits, vectorised, and random sampling
-  (temperature, min_p, top_k, top_p) sorting only the tokens near the filters' cut.
+- sampling.cpp: greedy sampling's argmax over fp32 logits, vectorised, random sampling
+  (temperature, min_p, top_k, top_p) sorting only the tokens near the filters' cut, and
+  logprobs (a token's, its rank, the most likely) without writing the log-softmax out.
 
 No torch headers are involved, so a build takes a second or two; each shared object is
 cached under $FULCRUM_CACHE/kernels (default ~/.cache/fulcrum/kernels), keyed by the source
@@ -439,6 +440,8 @@ def declare_sampling(library: ctypes.CDLL) -> None:
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     _declare(library, "fulcrum_argmax_f32", [pointer, i64, i32, i32, pointer, i32])
     _declare(library, "fulcrum_sample_f32", [pointer, i64, i32, i32] + [pointer] * 6 + [i32])
+    _declare(library, "fulcrum_logprobs_f32",
+             [pointer, i64, i32, i32, pointer, i32] + [pointer] * 5 + [i32])
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -447,9 +450,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if not can_sample(logits):
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _check(_sampling_library().fulcrum_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0],
-                                      logits.shape[1], out.data_ptr(), torch.get_num_threads()),
-           "argmax")
+    _check(_sampling_library().fulcrum_argmax_f32(
+        logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+        torch.get_num_threads()), "argmax")
     return out
 
 
@@ -479,3 +482,25 @@ def sample(logits: torch.Tensor, temperature: Sequence[float], min_p: Sequence[f
         min_p.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), out.data_ptr(),
         torch.get_num_threads()), "sample")
     return out
+
+
+def logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of fp32 logits ([rows, vocab], `can_sample`): each row's log-softmax at its
+    token, that token's rank (1: the most likely), its `num_top` most likely tokens' ids and
+    log-softmax, best first (of equal logits the lower id first), and whether the row was
+    answered (False where it holds a NaN or +inf logit or none finite): what torch's
+    log_softmax, a comparison and topk give, in two passes over each row."""
+    rows, vocab = logits.shape
+    device = logits.device
+    tokens = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    chosen = torch.empty(rows, dtype=torch.float32, device=device)
+    ranks = torch.empty(rows, dtype=torch.int64, device=device)
+    top_values = torch.empty(rows, num_top, dtype=torch.float32, device=device)
+    top_ids = torch.empty(rows, num_top, dtype=torch.int64, device=device)
+    answered = torch.empty(rows, dtype=torch.int32, device=device)
+    _check(_sampling_library().fulcrum_logprobs_f32(
+        logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), num_top,
+        chosen.data_ptr(), ranks.data_ptr(), top_values.data_ptr(), top_ids.data_ptr(),
+        answered.data_ptr(), torch.get_num_threads()), "logprobs")
+    return chosen, ranks, top_values, top_ids, answered.bool()

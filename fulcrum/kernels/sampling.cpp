@@ -1,6 +1,7 @@
 // Sampling over fp32 logits: greedy (each row's argmax) and random (each row's token drawn
 // from softmax(logits / T) after min_p, top_k and top_p, at a uniform u in [0, 1) the caller
-// draws, so each seeded request keeps its own stream of draws).
+// draws, so each seeded request keeps its own stream of draws); and the logprobs a request
+// asks for (its token's, its rank, the most likely tokens').
 //
 // The kernels are built with -ffinite-math-only, under which float comparisons may ignore
 // NaN and infinities: values are compared as integers that order like the floats they
@@ -383,6 +384,102 @@ int64_t sample_row(const float* logits, int vocab, float temperature, float min_
   return sample_filtered(row, use_top_k ? top_k : 0, top_p, total, u, scratch);
 }
 
+// ---------------------------------------------------------------- logprobs
+// A row's log-softmax at its chosen token, that token's rank and the row's most likely
+// tokens, without writing the log-softmax out (torch's log_softmax, the comparison for the
+// rank and topk read or write the whole row four times, and the batch's rows again for each).
+// A token's value is (logit - max) - log(sum of exp(logit - max)), in float as torch's CPU
+// log_softmax computes it (the sum in float64 here, where torch's is in float); its rank is
+// 1 + the number of tokens of a larger logit (a larger value, but for logits so close that
+// their values round alike, which torch then counts as equal); the top tokens are the
+// largest logits, of equal logits the lower id first. Logits compare through order_key (the
+// build assumes finite math, and reassociates arithmetic: values computed in a vectorised
+// loop need not equal one computed alone). A row with a NaN or +inf logit, or none finite,
+// is left to the caller (false).
+
+using Keyed = std::pair<int32_t, int>;  // (order_key(logit), token)
+
+// Descending key, and of equal keys the lower token id first.
+inline bool keyed_before(const Keyed& a, const Keyed& b) {
+  return a.first != b.first ? a.first > b.first : a.second < b.second;
+}
+
+double exp_sum_below(const float* logits, int vocab, float largest) {
+  double sum = 0.0;
+  int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 top = _mm256_set1_ps(largest);
+  const __m256 floor = _mm256_set1_ps(kUnderflow);
+  __m256d sums = _mm256_setzero_pd();
+  for (; i + 8 <= vocab; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(logits + i), top);  // -inf: compares false
+    const __m256 w = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), fulcrum::exp256(d));
+    sums = _mm256_add_pd(sums, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, sums);
+  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < vocab; ++i) {
+    const float d = logits[i] - largest;
+    if (!is_nan_or_infinite(d) && d >= kUnderflow) sum += std::exp(d);
+  }
+  return sum;
+}
+
+// The `count` largest logits' (key, token), best first, from one pass of chunks: a chunk
+// whose largest key cannot enter the kept ones is skipped whole.
+void top_tokens(const float* logits, int vocab, int count, std::vector<Keyed>& kept) {
+  kept.clear();
+  if (count <= 0) return;
+  const auto worse_first = [](const Keyed& a, const Keyed& b) { return keyed_before(a, b); };
+  for (int start = 0; start < vocab; start += kChunk) {
+    const int end = vocab - start < kChunk ? vocab : start + kChunk;
+    if (static_cast<int>(kept.size()) == count) {
+      int32_t best = INT32_MIN;
+#pragma omp simd reduction(max : best)
+      for (int i = start; i < end; ++i) best = std::max(best, order_key(logits[i]));
+      if (best <= kept.front().first) continue;  // an equal key has a higher id: it ranks after
+    }
+    for (int i = start; i < end; ++i) {
+      const Keyed candidate{order_key(logits[i]), i};
+      if (static_cast<int>(kept.size()) < count) {
+        kept.push_back(candidate);
+        std::push_heap(kept.begin(), kept.end(), worse_first);  // the worst kept at the front
+      } else if (candidate.first > kept.front().first) {
+        std::pop_heap(kept.begin(), kept.end(), worse_first);
+        kept.back() = candidate;
+        std::push_heap(kept.begin(), kept.end(), worse_first);
+      }
+    }
+  }
+  std::sort(kept.begin(), kept.end(), keyed_before);
+}
+
+bool row_logprobs(const float* logits, int vocab, int64_t token, int num_top, float& chosen,
+                  int64_t& rank, float* top_values, int64_t* top_ids, std::vector<Keyed>& kept) {
+  int32_t best = INT32_MIN;
+#pragma omp simd reduction(max : best)
+  for (int i = 0; i < vocab; ++i) best = std::max(best, order_key(logits[i]));
+  if (best >= kPositiveInfinityKey || best <= kNegativeInfinityKey) return false;
+  const float largest = from_key(best);
+  const float log_sum = static_cast<float>(std::log(exp_sum_below(logits, vocab, largest)));
+  const auto value = [&](float logit) { return (logit - largest) - log_sum; };
+  chosen = value(logits[token]);
+  const int32_t chosen_key = order_key(logits[token]);
+  int64_t larger = 0;
+#pragma omp simd reduction(+ : larger)
+  for (int i = 0; i < vocab; ++i) larger += order_key(logits[i]) > chosen_key;
+  rank = larger + 1;
+  top_tokens(logits, vocab, num_top, kept);
+  for (int j = 0; j < num_top; ++j) {
+    top_ids[j] = kept[j].second;
+    top_values[j] = value(logits[kept[j].second]);
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -405,6 +502,22 @@ int fulcrum_sample_f32(const float* logits, int64_t ld, int rows, int vocab,
     thread_local Scratch scratch;
     out[r] = sample_row(logits + r * ld, vocab, temperature[r], min_p[r], top_k[r], top_p[r],
                         u[r], scratch);
+  });
+  return 0;
+}
+
+// Row r's logprob at tokens[r] (chosen[r]), its rank (rank[r]), and its num_top most likely
+// tokens (top_ids / top_values, num_top a row); ok[r] = 0 where the row has a NaN or +inf
+// logit or none finite (the caller's torch path then answers for it).
+int fulcrum_logprobs_f32(const float* logits, int64_t ld, int rows, int vocab,
+                         const int64_t* tokens, int num_top, float* chosen, int64_t* rank,
+                         float* top_values, int64_t* top_ids, int32_t* ok, int num_threads) {
+  if (vocab <= 0 || num_top < 0 || num_top > vocab) return 1;
+  fulcrum::for_rows(rows, num_threads, [&](int r) {
+    thread_local std::vector<Keyed> kept;
+    ok[r] = row_logprobs(logits + r * ld, vocab, tokens[r], num_top, chosen[r], rank[r],
+                         top_values + static_cast<int64_t>(r) * num_top,
+                         top_ids + static_cast<int64_t>(r) * num_top, kept);
   });
   return 0;
 }

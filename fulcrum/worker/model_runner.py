@@ -176,9 +176,8 @@ class ModelRunner:
         for chunk, part, rows in self._prompt_logprob_rows(chunks):
             with torch.inference_mode():
                 logits = self.model.compute_logits(hidden[rows])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
             found.setdefault(chunk.request_id, []).extend(logprob_entries(
-                logprobs, chunk.prompt_logprob_targets[part], chunk.num_prompt_logprobs))
+                logits.float(), chunk.prompt_logprob_targets[part], chunk.num_prompt_logprobs))
         return found
 
     def _sample(self, logits: torch.Tensor, argmax: Optional[torch.Tensor],

@@ -59,11 +59,7 @@ class Sampler:
             from fulcrum.structured_output import apply_grammar_masks
             apply_grammar_masks(logits, [r.grammar for r in rows])
             argmax = None  # masked in place
-        wants_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_logprobs = None
-        if wants_logprobs:
-            raw_logprobs = torch.log_softmax(
-                logits if len(wants_logprobs) == len(rows) else logits[wants_logprobs], dim=-1)
+        raw = logits  # what logprobs report (the controls and penalties below copy it)
         logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
@@ -78,7 +74,7 @@ class Sampler:
         token_list = tokens.tolist()
         failures = self._check_chosen(given, logits if masked or logits is not given else None,
                                       tokens, token_list)
-        logprobs = _chosen_logprobs(raw_logprobs, wants_logprobs, failures, token_list, rows)
+        logprobs = _chosen_logprobs(raw, failures, token_list, rows)
         sampled = [None if i in failures else SampledToken(t, logprobs.get(i))
                    for i, t in enumerate(token_list)]
         if failures:
@@ -225,36 +221,59 @@ def _why_nothing(logits: torch.Tensor) -> str:
                         "with a finite logit")
 
 
-def logprob_entries(logprobs: torch.Tensor, token_ids: List[int],
+def logprob_entries(logits: torch.Tensor, token_ids: List[int],
                     num_top: Union[int, Sequence[int]]) -> List[Dict[int, Logprob]]:
-    """For each row of `logprobs` ([rows, vocab]): its token's logprob and rank (1 = most
-    likely), then its `num_top` (one for all rows, or one a row) most likely tokens, as vLLM
-    reports them."""
+    """For each row of `logits` ([rows, vocab], fp32): its token's logprob (log-softmax) and
+    rank (1 = most likely), then its `num_top` (one for all rows, or one a row) most likely
+    tokens, as vLLM reports them."""
     tops = [num_top] * len(token_ids) if isinstance(num_top, int) else list(num_top)
-    ids = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
-    chosen = logprobs.gather(1, ids)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    entries = [{t: Logprob(v, r)} for t, v, r in zip(token_ids, chosen.squeeze(1).tolist(), ranks)]
-    if max(tops, default=0):
-        top_values, top_ids = logprobs.topk(max(tops), dim=-1)
-        for entry, values, top, count in zip(entries, top_values.tolist(), top_ids.tolist(),
-                                             tops):
-            for rank, (value, token) in enumerate(zip(values[:count], top[:count]), start=1):
-                entry.setdefault(token, Logprob(value, rank))
+    chosen, ranks, top_values, top_ids = _logprob_parts(logits, token_ids, max(tops, default=0))
+    entries = [{t: Logprob(v, r)} for t, v, r in zip(token_ids, chosen, ranks)]
+    for entry, values, top, count in zip(entries, top_values, top_ids, tops):
+        for rank, (value, token) in enumerate(zip(values[:count], top[:count]), start=1):
+            entry.setdefault(token, Logprob(value, rank))
     return entries
 
 
-def _chosen_logprobs(raw: Optional[torch.Tensor], wanted: List[int], failures: Dict[int, str],
-                     tokens: List[int], rows: List[SamplingRow]) -> Dict[int, Dict[int, Logprob]]:
+def _logprob_parts(logits: torch.Tensor, token_ids: List[int], num_top: int
+                   ) -> Tuple[List[float], List[int], List[List[float]], List[List[int]]]:
+    """(each row's logprob at its token, its rank, its num_top best logprobs and their ids):
+    on a CPU the native kernel, which writes no log-softmax out (torch's path reads and
+    writes each row four times); torch's path for the rows it leaves (NaN or +inf logits)."""
+    if not kernels.can_sample(logits):
+        return _logprob_parts_with_torch(logits, token_ids, num_top)
+    chosen, ranks, values, ids, answered = kernels.logprobs(logits, token_ids, num_top)
+    parts = chosen.tolist(), ranks.tolist(), values.tolist(), ids.tolist()
+    left = (~answered).nonzero().view(-1).tolist()
+    if left:
+        redone = _logprob_parts_with_torch(logits[left], [token_ids[i] for i in left], num_top)
+        for whole, part in zip(parts, redone):
+            for i, value in zip(left, part):
+                whole[i] = value
+    return parts
+
+
+def _logprob_parts_with_torch(logits: torch.Tensor, token_ids: List[int], num_top: int
+                              ) -> Tuple[List[float], List[int], List[List[float]],
+                                         List[List[int]]]:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, ids)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    values, top = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0],) * 2
+    return chosen.squeeze(1).tolist(), ranks, values.tolist(), top.long().tolist()
+
+
+def _chosen_logprobs(raw: torch.Tensor, failures: Dict[int, str], tokens: List[int],
+                     rows: List[SamplingRow]) -> Dict[int, Dict[int, Logprob]]:
     """Each row's logprob entries by its index in the batch, for the rows that asked and
-    have a token; `raw` holds the log-softmax of the `wanted` rows, in that order."""
-    kept = [(n, i) for n, i in enumerate(wanted) if i not in failures]
-    if raw is None or not kept:
+    have a token; `raw`: the logits they are taken from."""
+    kept = [i for i, r in enumerate(rows) if r.params.logprobs is not None and i not in failures]
+    if not kept:
         return {}
-    entries = logprob_entries(raw[[n for n, _ in kept]] if len(kept) < len(wanted) else raw,
-                              [tokens[i] for _, i in kept],
-                              [rows[i].params.logprobs for _, i in kept])
-    return {i: entry for (_, i), entry in zip(kept, entries)}
+    entries = logprob_entries(raw if len(kept) == len(rows) else raw[kept],
+                              [tokens[i] for i in kept], [rows[i].params.logprobs for i in kept])
+    return dict(zip(kept, entries))
 
 
 def _writable_copy(logits: torch.Tensor) -> torch.Tensor:
