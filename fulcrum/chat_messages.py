@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Union
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fulcrum.chat_template import CHAT_ROLES, template_message
+from fulcrum.chat_template import template_message
 
 
 # The most messages, and content parts and tool calls in all, one conversation may have:
@@ -64,6 +64,12 @@ class ToolCallMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
+    """Keys OpenAI's schema does not name reach the template too (transformers'
+    get_json_schema puts a documented return value in "return", which Hermes' template
+    prints), as vLLM passes them."""
+
+    model_config = ConfigDict(extra="allow")
+
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None
@@ -71,12 +77,17 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
 class ChatMessage(BaseModel):
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    # OpenAI's roles, or any other a template knows (Llama 3's "ipython", Mistral's
+    # "tool_results"): vLLM passes any role through, and a template that has no use for it
+    # says so (its raise_exception: a 400).
+    role: str = Field(min_length=1, max_length=64)
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallMessage]] = None  # assistant: the calls it made

@@ -27,8 +27,6 @@ Templates = Union[None, str, Dict[str, str]]  # a model's: one, or several by na
 # transformers' marker for continue_final_message: appended to the final message, looked for
 # in the rendered chat, cut there.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-# The roles a chat message may have (OpenAI's), on the server and offline alike.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # What a template's own code may raise while it renders ({{ 1/0 }}, raise_exception(...),
@@ -420,8 +418,11 @@ def message_content(content: Union[None, str, List[Dict[str, Any]]], content_for
 
 def template_message(message: Dict[str, Any], content_format: str) -> Dict[str, Any]:
     """A chat message as vLLM hands it to templates (the server's and LLM.chat's alike): its
-    content in the template's format, its tool calls' arguments as objects."""
-    message = {**message, "content": message_content(message.get("content"), content_format)}
+    content in the template's format, its tool calls' arguments as objects. A tool result's
+    text is one string in either format, as vLLM gives it (templates print it whole: a list
+    of parts came out as its Python repr, as in Mistral Small 3's [TOOL_CONTENT])."""
+    kind = "string" if message.get("role") == "tool" else content_format
+    message = {**message, "content": message_content(message.get("content"), kind)}
     if "tool_calls" in message:
         message["tool_calls"] = template_tool_calls(message["tool_calls"])
     return message

@@ -238,6 +238,52 @@ def test_llm_chat_gives_content_in_the_templates_format(llama_dir):
         prompt(GEMMA3_LIKE, chat_template_content_format="parts")
 
 
+def test_tool_results_roles_and_tool_definitions_reach_templates_as_vllm_hands_them(
+        llama_dir):
+    """A tool result's text is one string even for a template that loops over content parts
+    (Mistral Small 3's printed the parts' Python repr); any role a template knows passes
+    (Llama 3's "ipython", Mistral's "tool_results"), and one it does not is its own error;
+    keys of a tool definition OpenAI's schema does not name reach the template too."""
+    from fulcrum import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir))
+    template = ("{% for m in messages %}{% if m.role == 'tool' %}[T:{{ m.content | string }}]"
+                "{% elif m.role in ('user', 'ipython') %}{% for p in m.content %}"
+                "[{{ m.role }}:{{ p.text }}]{% endfor %}{% else %}"
+                "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{% endfor %}"
+                "{% for t in tools or [] %}<{{ t.function['return'].type }}>{% endfor %}")
+    chat = [{"role": "user", "content": "a"},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "21"},
+                                                                {"type": "text", "text": "C"}]},
+            {"role": "ipython", "content": "b"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {},
+                                               "return": {"type": "string"}}}]
+
+    def prompt(messages, **kwargs):
+        return llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False,
+                        chat_template=template, **kwargs)[0].prompt
+
+    assert prompt(chat, tools=tools) == "[user:a][T:21\nC][ipython:b]<string>"
+    with pytest.raises(ValueError, match="unknown role wizard"):
+        prompt([{"role": "wizard", "content": "x"}])
+
+
+def test_the_built_in_template_puts_consecutive_tool_results_in_one_turn(llama_dir):
+    """As Qwen2.5's template does (the built-in ChatML one opened a user turn for each)."""
+    from fulcrum import LLM, SamplingParams
+
+    chat = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{i}", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a"},
+            {"role": "tool", "tool_call_id": "c2", "content": "b"},
+            {"role": "user", "content": "x"}]
+    (output,) = LLM(str(llama_dir)).chat(chat, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert ("<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+            "</tool_response><|im_end|>\n<|im_start|>user\nx<|im_end|>\n") in output.prompt
+
+
 def test_llm_chat_hands_tool_call_arguments_as_objects(llama_dir):
     """As vLLM's LLM.chat and fulcrum's server do (a template printed the JSON text again)."""
     from fulcrum import LLM, SamplingParams

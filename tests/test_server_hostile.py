@@ -362,7 +362,7 @@ def _length_cases() -> list:
 
 def _chat_message_cases() -> list:
     return [
-        chat("role-unknown", "role", messages=[{"role": "wizard", "content": "x"}]),
+        chat("role-too-long", "role", messages=[{"role": "w" * 65, "content": "x"}]),
         chat("role-empty", "role", messages=[{"role": "", "content": "x"}]),
         chat("user-without-content", "content", messages=[{"role": "user"}]),
         chat("user-content-null", "content", messages=user(None)),
@@ -397,8 +397,8 @@ def _stream_cases() -> list:
         chat("stream-top-logprobs-above-max", "top_logprobs", stream=True, logprobs=True,
              top_logprobs=21),
         chat("stream-image-url", "text-only", stream=True, messages=user([IMAGE])),
-        chat("stream-role-unknown", "role", stream=True,
-             messages=[{"role": "wizard", "content": "x"}]),
+        chat("stream-role-too-long", "role", stream=True,
+             messages=[{"role": "w" * 65, "content": "x"}]),
         chat("stream-n-million", "n", stream=True, n=1000000),
         chat("stream-temperature-inf", "temperature", stream=True, temperature=INF),
         chat("stream-chat-template-field", "chat_template", stream=True,

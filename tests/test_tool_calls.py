@@ -70,6 +70,14 @@ def test_llama3_json_reads_one_or_several_objects():
                                                                          {"zone": "cet"})]
     assert Llama3JsonParser().parse('Use {"name": "x"}') == ('Use {"name": "x"}', [])
     assert Llama3JsonParser().parse('{"a": 1}') == ('{"a": 1}', [])
+    # JSON data asked for while tools are offered is no call (vLLM's parser needs one of the
+    # two keys; of both, it reads "arguments")
+    data = '{"name": "Alice", "age": 30}'
+    assert Llama3JsonParser().parse(data) == (data, [])
+    both = '{"name": "f", "arguments": {"a": 1}, "parameters": {"p": 2}}'
+    assert calls(Llama3JsonParser().parse(both)) == [("f", {"a": 1})]
+    # some tokenizers mark <tool_call> special: it must stay in the text to be found
+    assert HermesParser.skip_special_tokens is False
 
 
 def test_mistral_reads_its_list():

@@ -110,6 +110,7 @@ class ToolParser(ABC):
 class HermesParser(ToolParser):
     name = "hermes"
     marker = "<tool_call>"
+    skip_special_tokens = False  # some tokenizers mark <tool_call> special (vLLM's PR 25281)
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def calls(self, text: str) -> List[ToolCall]:
@@ -134,8 +135,11 @@ class Llama3JsonParser(ToolParser):
         return super().start(text)
 
     def calls(self, text: str) -> List[ToolCall]:
-        return [_call(value["name"], value.get("parameters", value.get("arguments", {})))
-                for value in _objects(text)]
+        """A call names its function and gives "arguments" or "parameters" (vLLM reads the
+        first where both are there): any other JSON object an answer starts with is text
+        (a request for JSON data while tools are offered)."""
+        return [_call(value["name"], value["arguments"] if "arguments" in value
+                      else value["parameters"]) for value in _objects(text)]
 
 
 class MistralParser(ToolParser):
