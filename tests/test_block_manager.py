@@ -425,6 +425,22 @@ def test_a_cached_block_leaves_the_queue_out_of_order_only_from_its_older_half()
     kv.check_invariants(live(a))
 
 
+def test_a_prompt_diverging_inside_a_cached_one_leaves_its_later_blocks_cached():
+    """A fresh cache: the cached prompt's blocks sit behind hundreds never used, so the block
+    after the shared prefix is no candidate to take out of turn; sent again, the first
+    prompt finds all its blocks (it found the prefix alone)."""
+    kv = BlockManager(num_blocks=400, block_size=BS, enable_prefix_caching=True)
+    first = make_request("first", range(41))  # 10 full blocks
+    admit(kv, first)
+    kv.free(first)
+    # 9 blocks shared; its next one would run on into the block after them, first's 10th
+    # (freed second: a request's tail goes first), which holds first's tokens 36-39
+    diverging = make_request("diverging", [*range(38), 99, 98, 97])
+    assert admit(kv, diverging) == 36
+    assert kv.get_computed_blocks(make_request("again", range(41))).num_tokens == 40
+    kv.check_invariants(live(diverging))
+
+
 def test_a_long_running_cache_keeps_sequences_in_runs_of_adjacent_blocks():
     """Requests of random lengths, 8 at a time, one token a step: after 400 of them, over a
     third of a running sequence's consecutive blocks still lie side by side (taking only the

@@ -74,9 +74,13 @@ class BlockManager:
         self.free_queue: "OrderedDict[int, None]" = OrderedDict.fromkeys(range(1, num_blocks))
         # When each block last entered the free queue, counted in blocks freed so far: the
         # queue's front holds the oldest, so (stamp - front's) / (frees - front's) is where a
-        # block sits in the queue, front 0, back 1 (blocks taken from the middle aside).
-        self._freed_at = [0] * num_blocks
-        self._frees = 0
+        # block sits in the queue, front 0, back 1 (blocks taken from the middle aside). The
+        # blocks never used count as freed in their order: stamped all 0, a fresh cache's
+        # thousands of them counted for nothing, and a cached block near the queue's back
+        # passed for one in its older half (a prompt diverging inside a cached one's blocks
+        # then took the next of them, which a re-sent prompt missed, the cache 3% full).
+        self._freed_at = list(range(num_blocks))
+        self._frees = num_blocks - 1
         self._hit = [False] * num_blocks  # its prefix was hit since it was named
         self.cached: Dict[BlockKey, int] = {}
         self.block_tables: Dict[str, List[int]] = {}
