@@ -113,10 +113,10 @@ def test_detokenizer_fault_fails_one_request(llm, monkeypatch):
     expected = reference(llm)
     original = IncrementalDetokenizer.update
 
-    def update(self, new_token_ids, check_stop=True):
+    def update(self, new_token_ids, check_stop=True, final=False):
         if self.params.seed == 1234:  # only the poisoned request has this seed
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected fault")
-        return original(self, new_token_ids, check_stop)
+        return original(self, new_token_ids, check_stop, final)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
     engine = llm.llm_engine

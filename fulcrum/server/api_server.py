@@ -108,7 +108,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
               cors: Optional[Dict[str, Any]] = None,
               stats_interval: Optional[float] = None, web_ui: bool = True,
               request_id_headers: bool = False,
-              chat_template_content_format: str = "auto") -> FastAPI:
+              chat_template_content_format: str = "auto",
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """The server's app. `served_model_name`: one name or several (aliases; the first is the
     one responses carry). `api_key`: one key or several; None or empty leaves /v1 open.
     `tool_call_parser`: reads tool calls for tool_choice "auto" (None: "auto" is refused).
@@ -117,14 +118,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: Union[str, Sequence[str]],
     the playground and dashboard page at / (see dashboard.py). `request_id_headers`: every
     response carries X-Request-Id (--enable-request-id-headers).
     `chat_template_content_format`: how templates read message content (see
-    chat_template.content_format). An engine with disable_log_stats keeps no metrics: /metrics
+    chat_template.content_format). `reasoning_parser`: splits chat answers into reasoning
+    and content (server/reasoning.py; None: all content). An engine with disable_log_stats keeps no metrics: /metrics
     has the process's series alone (vLLM's, which then has no stat loggers)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     # vLLM's disable_log_stats: no stat loggers, so no engine series on /metrics either.
     metrics = None if async_llm.config.disable_log_stats else ServerMetrics(async_llm, names[0])
     serving = OpenAIServing(async_llm, names, trust_request_chat_template, log_requests,
                             chat_template, tool_call_parser, max_log_len, metrics,
-                            chat_template_content_format)
+                            chat_template_content_format, reasoning_parser)
     app = FastAPI(title="fulcrum", version=__version__,
                   description="OpenAI-compatible API of the fulcrum inference engine",
                   lifespan=_lifespan(StatsLogger(async_llm, metrics,

@@ -79,6 +79,12 @@ def register(subparsers) -> None:
                         choices=["hermes", "llama3_json", "mistral"],
                         help="the model's tool call format: hermes (Qwen, Hermes: "
                              "<tool_call>...</tool_call>), llama3_json, mistral ([TOOL_CALLS])")
+    server.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                        help="split chat answers into the model's thinking (the message's "
+                             "`reasoning`, also `reasoning_content`) and its answer "
+                             "(`content`): deepseek_r1 (DeepSeek-R1, QwQ: thinking until "
+                             "</think>), qwen3 (thinking only where the answer opens with "
+                             "<think>)")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients send; responses carry the first "
                              "(default: the model argument)")
@@ -200,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
                     args.max_request_body_bytes, args.trust_request_chat_template,
                     args.enable_log_requests, template, parser, args.max_log_len, cors,
                     None if args.disable_log_stats else STATS_INTERVAL_S, args.web_ui,
-                    args.enable_request_id_headers, args.chat_template_content_format)
+                    args.enable_request_id_headers, args.chat_template_content_format,
+                    args.reasoning_parser)
     try:
         return serve(app, sock, args.shutdown_timeout, args.uvicorn_log_level,
                      args.h11_max_incomplete_event_size)

@@ -452,9 +452,24 @@ class ChatLogprobs(BaseModel):
     content: List[TokenLogprob] = Field(default_factory=list)
 
 
-class ChatResponseMessage(BaseModel):
+class _WithReasoning(BaseModel):
+    """With --reasoning-parser, the model's thinking: `reasoning` (vLLM's field) and
+    `reasoning_content` (its older name, which clients still read); left out where none."""
+
+    @model_serializer(mode="wrap")
+    def _reasoning_where_given(self, handler: Callable[[Any], Dict[str, Any]]) -> Dict[str, Any]:
+        fields = handler(self)
+        if self.reasoning is None:
+            fields.pop("reasoning", None)
+            fields.pop("reasoning_content", None)
+        return fields
+
+
+class ChatResponseMessage(_WithReasoning):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: List[ToolCallMessage] = Field(default_factory=list)
 
 
@@ -482,9 +497,11 @@ class DeltaToolCall(_WithoutNones):
     function: Optional[DeltaFunctionCall] = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithReasoning):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[List[DeltaToolCall]] = None
 
 

@@ -32,7 +32,7 @@ from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import CompletionOutput, RequestOutput
 from fulcrum.outputs import Logprob
 from fulcrum.sampling_params import ParamError, SamplingParams
-from fulcrum.server import tool_calls
+from fulcrum.server import reasoning, tool_calls
 from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                      ChatResponseMessage, ChatStreamChoice, CompletionChoice,
@@ -276,6 +276,19 @@ class _Generation:
                            self.cached_tokens[prompt_index])
 
 
+def _split_reasoning(split: Optional[reasoning.ReasoningStream], text: str, last: bool
+                     ) -> Tuple[Optional[str], Optional[str]]:
+    """(reasoning, content) of a streamed piece; without a reasoning parser, all content."""
+    if split is None:
+        return None, text
+    piece = split.feed(text)
+    if last:
+        rest = split.finish()
+        piece = reasoning.ReasoningDelta((piece.reasoning or "") + (rest.reasoning or ""),
+                                         (piece.content or "") + (rest.content or ""))
+    return piece.reasoning or None, piece.content or None
+
+
 def _nothing_generated(completion: CompletionOutput) -> CompletionOutput:
     """A completion asked for no token (echo with max_tokens 0): the one the engine ran
     left out, and finished as max_tokens ends it, unless it failed or was aborted."""
@@ -492,7 +505,8 @@ class OpenAIServing:
                  chat_template: Optional[str] = None,
                  tool_call_parser: Optional[str] = None, max_log_len: Optional[int] = None,
                  metrics: Optional[EngineMetrics] = None,
-                 chat_template_content_format: str = "auto") -> None:
+                 chat_template_content_format: str = "auto",
+                 reasoning_parser: Optional[str] = None) -> None:
         self.llm = async_llm
         self.model_names = list(model_names)  # any may be asked for; responses carry the first
         self.model_name = self.model_names[0]
@@ -500,6 +514,9 @@ class OpenAIServing:
         self.metrics = metrics
         # --enable-auto-tool-choice with --tool-call-parser: how tool_choice "auto" reads calls.
         self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
+        # --reasoning-parser: the model's thinking goes to `reasoning`, the rest to `content`.
+        self.reasoning_parser = (reasoning.make_parser(reasoning_parser) if reasoning_parser
+                                 else None)
         self.chat_template = chat_template  # the server's, over the model's (--chat-template)
         # How templates read message content (--chat-template-content-format; vLLM's).
         check_content_format(chat_template_content_format)
@@ -615,6 +632,7 @@ class OpenAIServing:
         generation = _Generation([prompt], request.n)
         created = int(time.time())
         streams = {c.index: self._tool_stream(request) for c in generation.choices}
+        thinking = {c.index: self._reasoning_stream() for c in generation.choices}
 
         prompt_ids = prompt[1] if request.return_token_ids else None
 
@@ -632,22 +650,26 @@ class OpenAIServing:
                                        choices=choices, usage=usage)
 
         def delta_chunk(c: _Choice, delta: _Delta) -> Optional[BaseModel]:
-            message, finish_reason = DeltaMessage(content=delta.text), c.finish_reason
-            stream = streams[c.index]
+            thought, text = _split_reasoning(thinking[c.index], delta.text,
+                                             c.finish_reason is not None)
+            message = DeltaMessage(content=text, reasoning=thought, reasoning_content=thought)
+            finish_reason, stream = c.finish_reason, streams[c.index]
             if stream is not None:
-                piece = stream.feed(delta.text)
+                piece = stream.feed(text or "")
                 were_calls = False
                 if c.finish_reason is not None:
                     rest, were_calls = stream.finish()
                     piece = tool_calls.ToolDelta(
                         (piece.content or "") + (rest.content or "") or None,
                         piece.tool_calls + rest.tool_calls)
-                message = DeltaMessage(content=piece.content,
+                message = DeltaMessage(content=piece.content, reasoning=thought,
+                                       reasoning_content=thought,
                                        tool_calls=piece.tool_calls or None)
                 finish_reason = _tool_finish_reason(c.finish_reason, were_calls)
-                if (message.content, message.tool_calls, finish_reason) == (None, None, None) \
-                        and request.num_logprobs is None:
-                    return None  # text the tool parser holds back: no empty chunk (as vLLM)
+            if (stream is not None or thinking[c.index] is not None) and request.num_logprobs \
+                    is None and (message.content, message.reasoning, message.tool_calls,
+                                 finish_reason) == (None, None, None, None):
+                return None  # text a parser holds back: no empty chunk (as vLLM)
             return chunk([ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
@@ -657,13 +679,17 @@ class OpenAIServing:
         echo = request.echo_text
 
         def message(c: _Choice) -> Tuple[ChatResponseMessage, Optional[str]]:
-            stream = streams[c.index]
+            split, stream = thinking[c.index], streams[c.index]
+            thought, text = (None, c.text) if split is None else split.whole(c.text)
+            reply = functools.partial(ChatResponseMessage, reasoning=thought,
+                                      reasoning_content=thought)
             if stream is None:
-                return ChatResponseMessage(content=echo + c.text), c.finish_reason
-            content, calls, were_calls = stream.whole(c.text)
+                return reply(content=echo + text if text is not None else echo or None), \
+                    c.finish_reason
+            content, calls, were_calls = stream.whole(text or "")
             if echo:
                 content = echo + (content or "")
-            return (ChatResponseMessage(content=content, tool_calls=calls),
+            return (reply(content=content, tool_calls=calls),
                     _tool_finish_reason(c.finish_reason, were_calls))
 
         def final() -> BaseModel:
@@ -718,6 +744,10 @@ class OpenAIServing:
             raise APIError(400, f"tool_choice {mode!r} is enforced with structured outputs, so "
                                 "the request may not bring its own", "tool_choice")
         return dataclasses.replace(params, structured_outputs=constraint)
+
+    def _reasoning_stream(self) -> Optional[reasoning.ReasoningStream]:
+        parser = self.reasoning_parser
+        return None if parser is None else reasoning.ReasoningStream(parser)
 
     def _tool_stream(self, request: ChatCompletionRequest) -> Optional[tool_calls.ToolCallStream]:
         mode = request.tool_mode

@@ -271,6 +271,15 @@ class ToolDelta:
     tool_calls: List[Dict[str, Any]] = field(default_factory=list)
 
 
+def held_back(text: str, marker: str) -> int:
+    """How many final characters of `text` could be the start of `marker`: a stream holds
+    them back until the next piece tells."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
 class ToolCallStream:
     """One choice's stream under `mode` "auto" (with `parser`), "required", or "named"
     (with `function`, whose arguments are the answer itself)."""
@@ -328,13 +337,9 @@ class ToolCallStream:
 
     def _held_back(self) -> int:
         """How many final characters could be the start of the parser's marker."""
-        marker = self.parser.marker
         if self.parser.at_start_only:
             return len(self.text) if not self.text.strip() else 0
-        for size in range(min(len(marker) - 1, len(self.text)), 0, -1):
-            if marker.startswith(self.text[-size:]):
-                return size
-        return 0
+        return held_back(self.text, self.parser.marker)
 
     def _deltas(self, calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
         return [{"index": i, "id": call.id or self.new_call_id(), "type": "function",
