@@ -114,6 +114,25 @@ def test_tool_calls_are_read_from_the_answer_not_the_thinking(thinking_server):
     assert mused["message"]["reasoning"] == "Maybe " + CALL
 
 
+def test_an_answer_a_grammar_writes_thinks_only_where_it_opens_with_think(thinking_server):
+    """Under a grammar (tool_choice required, structured outputs) the answer is written
+    from its first token: it thinks only where the grammar opens it with <think>, where
+    deepseek_r1's rule took all of it for thinking (the calls came back in `reasoning`,
+    none in tool_calls)."""
+    from test_tool_calls import TOOLS
+
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200,
+            "temperature": 0.0, "tools": TOOLS, "tool_choice": "required"}
+    reply = httpx.post(thinking_server.url + "/v1/chat/completions", json=body, timeout=60)
+    (choice,) = reply.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and "reasoning" not in choice["message"]
+    assert choice["message"]["tool_calls"][0]["function"]["name"] in ("get_weather",
+                                                                       "get_time")
+    (choice,) = chat(thinking_server, "It is sunny.")["choices"]  # a regex: no <think>
+    assert choice["message"]["content"] == "It is sunny."
+    assert "reasoning" not in choice["message"]
+
+
 def test_without_a_reasoning_parser_there_is_no_reasoning_field(llama_dir):
     with running_server(llama_dir, scheduling_policy="fcfs") as (server, _):
         (choice,) = chat(server, "<think>x</think>y", max_tokens=40)["choices"]

@@ -382,6 +382,9 @@ def test_logprobs_follow_log_softmax_to_float64_precision(implementation, reques
             assert ids[r] == order, r
         assert values[r] == pytest.approx(reference[r, ids[r]].tolist(), rel=1e-6, abs=1e-5)
     assert _logprob_parts(logits, tokens, 0)[2] == [[]] * rows
+    if implementation != "torch":  # a token outside the vocabulary is left to torch's path
+        answered = kernels.logprobs(logits[:3], [vocab, -1, 10 ** 7], 2)[4]
+        assert answered.tolist() == [False, False, False]
 
 
 def test_logprobs_report_rank_and_top_k_of_raw_distribution():

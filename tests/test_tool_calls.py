@@ -76,8 +76,29 @@ def test_llama3_json_reads_one_or_several_objects():
     assert Llama3JsonParser().parse(data) == (data, [])
     both = '{"name": "f", "arguments": {"a": 1}, "parameters": {"p": 2}}'
     assert calls(Llama3JsonParser().parse(both)) == [("f", {"a": 1})]
-    # some tokenizers mark <tool_call> special: it must stay in the text to be found
-    assert HermesParser.skip_special_tokens is False
+
+
+def test_special_tokens_are_kept_only_where_a_parsers_markers_are_special(llama_dir, tmp_path):
+    """Answers for "auto" keep special tokens only where the tokenizer marks one of the
+    parser's markers special (some mark <tool_call>, Mistral's [TOOL_CALLS]: skipped, the
+    calls came back as text); keeping them always sent a model's other special tokens,
+    reserved ones included, as content."""
+    from fulcrum.default_model import byte_level_tokenizer
+    from fulcrum.server.tool_calls import skips_special_tokens
+    from fulcrum.tokenizer import Tokenizer
+
+    plain = Tokenizer(str(llama_dir))
+    assert all(skips_special_tokens(p, plain) for p in (HermesParser(), MistralParser()))
+    marked = byte_level_tokenizer()
+    marked.add_special_tokens(["<tool_call>", "</tool_call>", "[TOOL_CALLS]"])
+    folder = tmp_path / "marked"
+    folder.mkdir()
+    marked.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    special = Tokenizer(str(folder))
+    assert not skips_special_tokens(HermesParser(), special)
+    assert not skips_special_tokens(MistralParser(), special)
+    assert skips_special_tokens(Llama3JsonParser(), special)
 
 
 def test_mistral_reads_its_list():
@@ -88,7 +109,6 @@ def test_mistral_reads_its_list():
     assert calls(parsed) == [("get_time", {"zone": "utc"}),
                              ("get_weather", {"city": "Rome", "unit": "c"})]
     assert MistralParser().parse("[TOOL_CALLS]oops") == ("[TOOL_CALLS]oops", [])
-    assert MistralParser.skip_special_tokens is False  # [TOOL_CALLS] is a special token
 
 
 def test_mistral_reads_v11_calls_and_makes_ids_its_templates_take():

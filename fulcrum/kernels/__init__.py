@@ -489,7 +489,8 @@ def logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int
     """For rows of fp32 logits ([rows, vocab], `can_sample`): each row's log-softmax at its
     token, that token's rank (1: the most likely), its `num_top` most likely tokens' ids and
     log-softmax, best first (of equal logits the lower id first), and whether the row was
-    answered (False where it holds a NaN or +inf logit or none finite): what torch's
+    answered (False where it holds a NaN or +inf logit or none finite, or its token is
+    outside the vocabulary, which torch's gather then refuses): what torch's
     log_softmax, a comparison and topk give, in two passes over each row."""
     rows, vocab = logits.shape
     device = logits.device

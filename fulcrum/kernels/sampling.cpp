@@ -459,6 +459,7 @@ void top_tokens(const float* logits, int vocab, int count, std::vector<Keyed>& k
 
 bool row_logprobs(const float* logits, int vocab, int64_t token, int num_top, float& chosen,
                   int64_t& rank, float* top_values, int64_t* top_ids, std::vector<Keyed>& kept) {
+  if (token < 0 || token >= vocab) return false;  // the caller's torch path names it
   int32_t best = INT32_MIN;
 #pragma omp simd reduction(max : best)
   for (int i = 0; i < vocab; ++i) best = std::max(best, order_key(logits[i]));
@@ -508,7 +509,8 @@ int fulcrum_sample_f32(const float* logits, int64_t ld, int rows, int vocab,
 
 // Row r's logprob at tokens[r] (chosen[r]), its rank (rank[r]), and its num_top most likely
 // tokens (top_ids / top_values, num_top a row); ok[r] = 0 where the row has a NaN or +inf
-// logit or none finite (the caller's torch path then answers for it).
+// logit or none finite, or where tokens[r] is outside the vocabulary (the caller's torch path
+// then answers for it).
 int fulcrum_logprobs_f32(const float* logits, int64_t ld, int rows, int vocab,
                          const int64_t* tokens, int num_top, float* chosen, int64_t* rank,
                          float* top_values, int64_t* top_ids, int32_t* ok, int num_threads) {

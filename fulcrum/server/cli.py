@@ -82,9 +82,9 @@ def register(subparsers) -> None:
     server.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                         help="split chat answers into the model's thinking (the message's "
                              "`reasoning`, also `reasoning_content`) and its answer "
-                             "(`content`): deepseek_r1 (DeepSeek-R1, QwQ: thinking until "
-                             "</think>), qwen3 (thinking only where the answer opens with "
-                             "<think>)")
+                             "(`content`): deepseek_r1 (DeepSeek-R1, QwQ, Qwen3's thinking-only "
+                             "models: thinking until </think>), qwen3 (thinking only where the "
+                             "answer opens with <think>)")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients send; responses carry the first "
                              "(default: the model argument)")

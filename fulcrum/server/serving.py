@@ -514,6 +514,8 @@ class OpenAIServing:
         self.metrics = metrics
         # --enable-auto-tool-choice with --tool-call-parser: how tool_choice "auto" reads calls.
         self.tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
+        self.tool_skip_special = self.tool_parser is None or tool_calls.skips_special_tokens(
+            self.tool_parser, async_llm.tokenizer)
         # --reasoning-parser: the model's thinking goes to `reasoning`, the rest to `content`.
         self.reasoning_parser = (reasoning.make_parser(reasoning_parser) if reasoning_parser
                                  else None)
@@ -632,7 +634,7 @@ class OpenAIServing:
         generation = _Generation([prompt], request.n)
         created = int(time.time())
         streams = {c.index: self._tool_stream(request) for c in generation.choices}
-        thinking = {c.index: self._reasoning_stream() for c in generation.choices}
+        thinking = {c.index: self._reasoning_stream(params) for c in generation.choices}
 
         prompt_ids = prompt[1] if request.return_token_ids else None
 
@@ -730,8 +732,8 @@ class OpenAIServing:
             if self.tool_parser is None:
                 raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                                     "--tool-call-parser to be set", "tool_choice")
-            return dataclasses.replace(params,
-                                       skip_special_tokens=self.tool_parser.skip_special_tokens)
+            return dataclasses.replace(params, skip_special_tokens=params.skip_special_tokens
+                                       and self.tool_skip_special)
         try:
             constraint = tool_calls.constraint(request.tool_dicts or [],
                                                request.forced_function,
@@ -745,9 +747,16 @@ class OpenAIServing:
                                 "the request may not bring its own", "tool_choice")
         return dataclasses.replace(params, structured_outputs=constraint)
 
-    def _reasoning_stream(self) -> Optional[reasoning.ReasoningStream]:
+    def _reasoning_stream(self, params: SamplingParams) -> Optional[reasoning.ReasoningStream]:
+        """None without a reasoning parser. A grammar (structured outputs, tool_choice
+        required or named) writes the answer from its first token: it thinks only where the
+        grammar opens it with <think> (deepseek_r1's rule took a JSON answer for thinking)."""
         parser = self.reasoning_parser
-        return None if parser is None else reasoning.ReasoningStream(parser)
+        if parser is None:
+            return None
+        if params.structured_outputs is not None:
+            parser = dataclasses.replace(parser, thinks_from_start=False)
+        return reasoning.ReasoningStream(parser)
 
     def _tool_stream(self, request: ChatCompletionRequest) -> Optional[tool_calls.ToolCallStream]:
         mode = request.tool_mode

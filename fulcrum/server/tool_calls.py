@@ -77,7 +77,9 @@ class ToolParser(ABC):
     name: str
     marker: str  # where the calls start
     at_start_only = False  # the marker counts only at the start of the answer
-    skip_special_tokens = True  # False where the marker is a special token
+    # What must reach the parser: where the tokenizer marks one special, the answer is
+    # decoded keeping special tokens (`skips_special_tokens`).
+    markers: Tuple[str, ...] = ()
     new_call_id: Callable[[], str] = staticmethod(openai_call_id)
 
     def start(self, text: str) -> Optional[int]:
@@ -110,7 +112,7 @@ class ToolParser(ABC):
 class HermesParser(ToolParser):
     name = "hermes"
     marker = "<tool_call>"
-    skip_special_tokens = False  # some tokenizers mark <tool_call> special (vLLM's PR 25281)
+    markers = ("<tool_call>", "</tool_call>")  # special in some tokenizers (vLLM's PR 25281)
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def calls(self, text: str) -> List[ToolCall]:
@@ -145,7 +147,7 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
-    skip_special_tokens = False
+    markers = ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")
     new_call_id = staticmethod(mistral_call_id)
     # v11+: [TOOL_CALLS]name[ARGS]{...}, [CALL_ID]id before [ARGS] in some versions.
     _named = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\]([^\[]*))?\[ARGS\](.*)", re.DOTALL)
@@ -167,6 +169,14 @@ class MistralParser(ToolParser):
         call = _call(found.group(1), arguments)
         call.id = (found.group(2) or "").strip() or None
         return call
+
+
+def skips_special_tokens(parser: ToolParser, tokenizer: Any) -> bool:
+    """Whether answers for `parser` may be decoded without special tokens: only where the
+    tokenizer marks none of its markers special (decoding keeps them then; keeping every
+    special token instead sent a model's others, reserved ones included, as content)."""
+    return all(tokenizer.decode(tokenizer.encode(marker, add_special_tokens=False),
+                                skip_special_tokens=True) == marker for marker in parser.markers)
 
 
 PARSERS: Dict[str, Type[ToolParser]] = {
