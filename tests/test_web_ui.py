@@ -116,6 +116,33 @@ def test_chat_streams_a_reply_with_its_timings(server, driver):
 
 
 @needs_browser
+def test_a_reasoning_models_thinking_is_shown_apart(llama_dir, driver):
+    """With --reasoning-parser deepseek_r1 a (random) answer without </think> is all thinking:
+    the page shows it in its own folded box, streamed, and times the reply from its first
+    piece (it counted answer text alone: no timings, no tokens)."""
+    from selenium.webdriver.common.by import By
+
+    with running_server(llama_dir, scheduling_policy="fcfs",
+                        app_kwargs={"reasoning_parser": "deepseek_r1"}) as (server, _):
+        driver.get(server.url + "/")
+        driver.execute_script("localStorage.clear()")
+        driver.get(server.url + "/")
+        wait_for(lambda: driver.find_element(By.ID, "model-name").text)
+        driver.find_element(By.ID, "max-tokens").clear()
+        driver.find_element(By.ID, "max-tokens").send_keys("16")
+        driver.find_element(By.ID, "chat-input").send_keys("think")
+        driver.find_element(By.ID, "send").click()
+        stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR,
+                                                      ".message.assistant .reply-stats"))
+        assert re.fullmatch(r"TTFT \d+ ms · TPOT [\d.]+ ms · [\d.]+ tokens/s · \d+ tokens",
+                            stats[-1].text), stats[-1].text
+        thought = driver.find_element(By.CSS_SELECTOR, ".message.assistant .reasoning-text")
+        assert thought.get_attribute("textContent")
+        assert driver.find_element(By.CSS_SELECTOR, ".message.assistant .reasoning summary"
+                                   ).text == "thinking"
+
+
+@needs_browser
 def test_dashboard_shows_the_scheduler_at_work(server, async_llm, driver):
     from selenium.webdriver.common.by import By
 

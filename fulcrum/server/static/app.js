@@ -79,16 +79,31 @@ function messageElement(message) {
   const role = document.createElement("div");
   role.className = "role";
   role.textContent = message.role;
+  box.appendChild(role);
+  if (message.reasoning) box.appendChild(reasoningElement(message.reasoning));
   const content = document.createElement("div");
   content.className = "content";
   content.textContent = message.content;
-  box.append(role, content);
+  box.appendChild(content);
   if (message.stats) {
     const stats = document.createElement("div");
     stats.className = "reply-stats";
     stats.textContent = message.stats;
     box.appendChild(stats);
   }
+  return box;
+}
+
+// A reasoning model's thinking (the server's --reasoning-parser), folded away once done.
+function reasoningElement(text) {
+  const box = document.createElement("details");
+  box.className = "reasoning";
+  const summary = document.createElement("summary");
+  summary.textContent = "thinking";
+  const body = document.createElement("div");
+  body.className = "reasoning-text";
+  body.textContent = text;
+  box.append(summary, body);
   return box;
 }
 
@@ -150,11 +165,13 @@ async function send() {
   if (!c.messages.length) c.title = text.slice(0, 40);
   c.messages.push({ role: "user", content: text });
   $("chat-input").value = "";
-  const reply = { role: "assistant", content: "" };
+  const reply = { role: "assistant", content: "", reasoning: "" };
   c.messages.push(reply);
   save();
   renderAll();
-  const content = $("messages").lastChild.querySelector(".content");
+  const replyBox = $("messages").lastChild;
+  const content = replyBox.querySelector(".content");
+  let thinking = null;
   const sent = performance.now();
   let first = null, last = null, chunks = 0, usage = null;
   $("send").disabled = true;
@@ -166,16 +183,28 @@ async function send() {
     for await (const event of events(response)) {
       if (event.error) throw new Error(event.error.message);
       if (event.usage) usage = event.usage;
-      const delta = event.choices?.[0]?.delta?.content;
-      if (delta) {
+      const delta = event.choices?.[0]?.delta || {};
+      const thought = delta.reasoning ?? delta.reasoning_content;
+      if (delta.content || thought) {
         const now = performance.now();
         if (first === null) first = now;
         last = now;
         chunks += 1;
-        reply.content += delta;
-        content.textContent = reply.content;
-        $("messages").scrollTop = $("messages").scrollHeight;
       }
+      if (thought) {
+        if (thinking === null) {
+          replyBox.insertBefore(reasoningElement(""), content);
+          thinking = replyBox.querySelector(".reasoning");
+          thinking.open = true;
+        }
+        reply.reasoning += thought;
+        thinking.querySelector(".reasoning-text").textContent = reply.reasoning;
+      }
+      if (delta.content) {
+        reply.content += delta.content;
+        content.textContent = reply.content;
+      }
+      $("messages").scrollTop = $("messages").scrollHeight;
     }
     const tokens = usage ? usage.completion_tokens : chunks;
     const parts = [];
