@@ -57,6 +57,28 @@ def requested_urls(driver):
     return urls
 
 
+def fresh_page(driver, url: str) -> None:
+    """The page at `url` with nothing kept from an earlier test (conversations, key)."""
+    driver.get(url + "/")
+    driver.execute_script("localStorage.clear()")
+    driver.get(url + "/")
+
+
+def type_message(driver, url: str, max_tokens: int, text: str) -> None:
+    """A fresh page, once it knows the model, with `max_tokens` set and `text` typed."""
+    from selenium.webdriver.common.by import By
+
+    fresh_page(driver, url)
+    wait_for(lambda: driver.find_element(By.ID, "model-name").text)
+    driver.find_element(By.ID, "max-tokens").clear()
+    driver.find_element(By.ID, "max-tokens").send_keys(str(max_tokens))
+    driver.find_element(By.ID, "chat-input").send_keys(text)
+
+
+# A reply's timings under it: TTFT, TPOT, tokens/s and its token count.
+REPLY_STATS = r"TTFT \d+ ms · TPOT [\d.]+ ms · [\d.]+ tokens/s · (\d+) tokens"
+
+
 @pytest.fixture(scope="module")
 def served(llama_dir):
     with running_server(llama_dir, scheduling_policy="fcfs", max_num_batched_tokens=64) as pair:
@@ -76,13 +98,7 @@ def driver():
 def test_chat_streams_a_reply_with_its_timings(server, driver):
     from selenium.webdriver.common.by import By
 
-    driver.get(server.url + "/")
-    driver.execute_script("localStorage.clear()")
-    driver.get(server.url + "/")
-    wait_for(lambda: driver.find_element(By.ID, "model-name").text)
-    driver.find_element(By.ID, "max-tokens").clear()
-    driver.find_element(By.ID, "max-tokens").send_keys("24")
-    driver.find_element(By.ID, "chat-input").send_keys("hello there")
+    type_message(driver, server.url, 24, "hello there")
     # note the reply's length at each change of the page: a streamed reply shows partly first
     driver.execute_script("""
         window.lengths = [];
@@ -94,7 +110,7 @@ def test_chat_streams_a_reply_with_its_timings(server, driver):
     driver.find_element(By.ID, "send").click()
     stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".message.assistant .reply-stats"))
     text = stats[-1].text
-    match = re.fullmatch(r"TTFT \d+ ms · TPOT [\d.]+ ms · [\d.]+ tokens/s · (\d+) tokens", text)
+    match = re.fullmatch(REPLY_STATS, text)
     assert match and 1 < int(match.group(1)) <= 24, text  # max_tokens 24 (EOS may end it)
     replies = driver.find_elements(By.CSS_SELECTOR, ".message.assistant .content")
     assert replies[-1].text.strip()
@@ -124,18 +140,11 @@ def test_a_reasoning_models_thinking_is_shown_apart(llama_dir, driver):
 
     with running_server(llama_dir, scheduling_policy="fcfs",
                         app_kwargs={"reasoning_parser": "deepseek_r1"}) as (server, _):
-        driver.get(server.url + "/")
-        driver.execute_script("localStorage.clear()")
-        driver.get(server.url + "/")
-        wait_for(lambda: driver.find_element(By.ID, "model-name").text)
-        driver.find_element(By.ID, "max-tokens").clear()
-        driver.find_element(By.ID, "max-tokens").send_keys("16")
-        driver.find_element(By.ID, "chat-input").send_keys("think")
+        type_message(driver, server.url, 16, "think")
         driver.find_element(By.ID, "send").click()
         stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR,
                                                       ".message.assistant .reply-stats"))
-        assert re.fullmatch(r"TTFT \d+ ms · TPOT [\d.]+ ms · [\d.]+ tokens/s · \d+ tokens",
-                            stats[-1].text), stats[-1].text
+        assert re.fullmatch(REPLY_STATS, stats[-1].text), stats[-1].text
         thought = driver.find_element(By.CSS_SELECTOR, ".message.assistant .reasoning-text")
         assert thought.get_attribute("textContent")
         assert driver.find_element(By.CSS_SELECTOR, ".message.assistant .reasoning summary"
@@ -192,9 +201,7 @@ def test_the_page_asks_for_the_api_key(llama_dir, driver):
     from selenium.webdriver.common.by import By
 
     with running_server(llama_dir, app_kwargs={"api_key": "sesame"}) as (server, _):
-        driver.get(server.url + "/")
-        driver.execute_script("localStorage.clear()")
-        driver.get(server.url + "/")
+        fresh_page(driver, server.url)
         dialog = driver.find_element(By.ID, "key-dialog")
         wait_for(lambda: dialog.is_displayed())
         driver.find_element(By.ID, "key-input").send_keys("sesame")
