@@ -335,6 +335,23 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_models_retrieve_finds_each_served_name_and_404s_others(async_llm):
+    """OpenAI's client.models.retrieve (GET /v1/models/{model}, as vLLM serves it): a name
+    with slashes (an org/name, a folder's path) arrives escaped by the SDK."""
+    from fulcrum.server import BackgroundServer, build_app
+
+    with BackgroundServer(build_app(async_llm, ["org/tiny", MODEL], web_ui=False)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for name in ("org/tiny", MODEL):
+            card = client.models.retrieve(name)
+            assert (card.id, card.object, card.model_extra["max_model_len"]) == (name, "model",
+                                                                                512)
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("gpt-9")
+        assert missing.value.body == {"message": "The model `gpt-9` does not exist.",
+                                      "type": "NotFoundError", "param": "model", "code": 404}
+
+
 def test_tokenize_round_trip(server, offline):
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert tokens["tokens"] == offline.get_tokenizer().encode("hello world")

@@ -174,12 +174,21 @@ def _openai_routes(serving: OpenAIServing, api_keys: Sequence[str]) -> APIRouter
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await serving.create_chat_completion(request, raw_request)
 
+    def card(name: str) -> ModelCard:
+        llm = serving.llm
+        return ModelCard(id=name, created=created, root=llm.engine.model_dir,
+                         max_model_len=llm.config.max_model_len)
+
     @router.get("/models")
     async def models() -> ModelList:
-        llm = serving.llm
-        return ModelList(data=[ModelCard(id=name, created=created, root=llm.engine.model_dir,
-                                         max_model_len=llm.config.max_model_len)
-                               for name in serving.model_names])
+        return ModelList(data=[card(name) for name in serving.model_names])
+
+    # OpenAI's models.retrieve (and vLLM's): `:path`, as a served name may hold slashes (a
+    # model folder's path, an org/name), which clients send escaped and arrive decoded.
+    @router.get("/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return card(model)
 
     return router
 
