@@ -398,6 +398,26 @@ def test_the_openai_sdk_reads_the_calls(server):
     assert "zone" in json.loads(call.function.arguments)
 
 
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("body", [{"extra_body": forced(CALL + "\n" + TIME_CALL)},
+                                  {"tool_choice": "required", "seed": 0}])
+def test_the_sdk_stream_helper_closes_every_call(server, body):
+    """Calls sent whole at the end ("auto", "required") come before the finish_reason, in a
+    chunk of their own: the SDK's helper closes a call (its arguments.done event) only when a
+    later chunk comes, and closed none that came with the finish_reason."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    with client.chat.completions.stream(model="m", messages=HISTORY, tools=TOOLS,
+                                        max_tokens=200, **body) as events:
+        done = [(e.index, e.name, e.arguments) for e in events
+                if e.type == "tool_calls.function.arguments.done"]
+        final = events.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls
+    assert done == [(i, call.function.name, call.function.arguments)
+                    for i, call in enumerate(final.message.tool_calls)]
+
+
 def test_required_calls_a_function_whose_parameters_have_definitions(server):
     item = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
             "required": ["zone"]}

@@ -483,7 +483,7 @@ async def in_own_thread(function: Callable[[], T]) -> T:
 
 
 # ------------------------------------------------------------------ serving
-ChunkMaker = Callable[[_Choice, _Delta], Optional[BaseModel]]  # None: nothing to send
+ChunkMaker = Callable[[_Choice, _Delta], List[BaseModel]]  # what to send: maybe nothing
 # Chat templates rendering at once, each on a thread of its own; and so, apart from them (a
 # trusted request's template may run for hours), long prompts tokenizing, constraints and
 # tools' schemas being checked, large responses being built. The rest waits.
@@ -586,8 +586,8 @@ class OpenAIServing:
         outputs = self._generate(prompts, params, ids.engine, request)
         return await self._respond(
             request, raw_request, generation, outputs,
-            chunk=lambda c, d: response([choice(c, d)],
-                                         self._running_usage(request, generation, c)),
+            chunk=lambda c, d: [response([choice(c, d)],
+                                          self._running_usage(request, generation, c))],
             usage_chunk=lambda: response([], generation.usage()),
             final=lambda: response([choice(c, c.whole()) for c in generation.choices],
                                    generation.usage()))
@@ -651,7 +651,7 @@ class OpenAIServing:
             return ChatCompletionChunk(id=ids.response, created=created, model=self.model_name,
                                        choices=choices, usage=usage)
 
-        def delta_chunk(c: _Choice, delta: _Delta) -> Optional[BaseModel]:
+        def delta_chunks(c: _Choice, delta: _Delta) -> List[BaseModel]:
             thought, text = _split_reasoning(thinking[c.index], delta.text,
                                              c.finish_reason is not None)
             message = DeltaMessage(content=text, reasoning=thought, reasoning_content=thought)
@@ -671,12 +671,13 @@ class OpenAIServing:
             if (stream is not None or thinking[c.index] is not None) and request.num_logprobs \
                     is None and (message.content, message.reasoning, message.tool_calls,
                                  finish_reason) == (None, None, None, None):
-                return None  # text a parser holds back: no empty chunk (as vLLM)
-            return chunk([ChatStreamChoice(
+                return []  # text a parser holds back: no empty chunk (as vLLM)
+            usage = self._running_usage(request, generation, c)
+            streamed = ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
-                token_ids=list(delta.token_ids) if request.return_token_ids else None)],
-                self._running_usage(request, generation, c))
+                token_ids=list(delta.token_ids) if request.return_token_ids else None)
+            return [chunk([choice], usage) for choice in _finish_apart_from_calls(streamed)]
 
         echo = request.echo_text
 
@@ -720,7 +721,7 @@ class OpenAIServing:
                       for c in generation.choices]
         outputs = self._generate([prompt], params, ids.engine, request)
         return await self._respond(
-            request, raw_request, generation, outputs, chunk=delta_chunk,
+            request, raw_request, generation, outputs, chunk=delta_chunks,
             usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
 
     def _tool_params(self, request: ChatCompletionRequest,
@@ -902,6 +903,19 @@ class OpenAIServing:
         return Response(body, media_type="application/json")
 
 
+def _finish_apart_from_calls(piece: ChatStreamChoice) -> List[ChatStreamChoice]:
+    """A choice's last piece, its finish_reason in a piece of its own where it carries tool
+    calls (as OpenAI sends it): OpenAI's SDK stream helper closes a call (its
+    tool_calls.function.arguments.done event, with parsed_arguments) when a later piece
+    comes, so a call sent whole with the finish_reason (as "required" and "auto" send them)
+    would never be closed."""
+    if piece.finish_reason is None or not piece.delta.tool_calls:
+        return [piece]
+    finish = ChatStreamChoice(index=piece.index, delta=DeltaMessage(),
+                              finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+    return [piece.model_copy(update={"finish_reason": None, "stop_reason": None}), finish]
+
+
 def _tool_finish_reason(finish_reason: Optional[str], were_calls: bool) -> Optional[str]:
     """OpenAI's "tool_calls" for an answer that ended in calls of the model's choosing."""
     return "tool_calls" if were_calls and finish_reason == "stop" else finish_reason
@@ -919,8 +933,7 @@ async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, Req
                 yield _sse(payload)
             async for prompt_index, output in outputs:
                 for choice, delta in generation.add(prompt_index, output):
-                    payload = chunk(choice, delta)
-                    if payload is not None:
+                    for payload in chunk(choice, delta):
                         yield _sse(payload)
             if usage_chunk is not None:
                 yield _sse(usage_chunk())
