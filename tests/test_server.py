@@ -403,6 +403,20 @@ def test_malformed_json_is_a_bad_request(server):
     assert response.status_code == 400 and response.json()["error"]["code"] == 400
 
 
+@pytest.mark.parametrize("field", ["n", "stream", "logprobs", "presence_penalty",
+                                   "frequency_penalty", "echo"])
+def test_openai_nullable_fields_take_null_for_their_default(client, field):
+    """OpenAI documents these as "or null" (the SDK sends a None given for one as null), as
+    vLLM takes them: each was a 400 ("n: Input should be a valid integer")."""
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          temperature=0.0, **({} if field == "echo" else
+                                                              {field: None}))
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    text = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.0,
+                                     **({} if field == "logprobs" else {field: None}))
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith("hi")
+
+
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="missing", prompt="x")

@@ -59,12 +59,26 @@ UNSERVED_VLLM_FIELDS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 }
 
 
+# OpenAI's fields that take null for their default ("integer or null, defaults to 1"), as
+# vLLM's do too: its SDK sends a None given for one as null.
+NULL_MEANS_DEFAULT = ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs",
+                      "echo")
+
+
 class SamplingRequest(RequestBody):
     """Fields that completions and chat completions share, vLLM's extras included."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged
     # What `unsupported` refuses (each endpoint adds those of its own).
     UNSERVED: ClassVar[Dict[str, Tuple[Tuple[Any, ...], str]]] = UNSERVED_VLLM_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in NULL_MEANS_DEFAULT}
 
     model: Optional[str] = None
     n: int = 1
