@@ -32,10 +32,20 @@ def check_conversation_size(messages: Any) -> None:
 
 
 class ContentPart(BaseModel):
-    """A part of a message's content; fulcrum's models read text parts only."""
+    """A part of a message's content; fulcrum's models read text parts only. OpenAI's refusal
+    part (an assistant's, in the history) is its refusal's text, as vLLM reads it."""
 
     type: str
     text: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusal_as_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") == "refusal":
+            if not isinstance(data.get("refusal"), str):
+                raise ValueError("a refusal content part needs 'refusal', a string")
+            return {"type": "text", "text": data["refusal"]}
+        return data
 
     @model_validator(mode="after")
     def _text_only(self) -> "ContentPart":

@@ -352,6 +352,20 @@ def test_models_retrieve_finds_each_served_name_and_404s_others(async_llm):
                                       "type": "NotFoundError", "param": "model", "code": 404}
 
 
+def test_an_assistants_refusal_part_is_its_text(server, client):
+    """OpenAI's chat history may hold an assistant's refusal as a content part; vLLM reads it
+    as text (it was a 400: "content parts of type 'refusal' are not supported")."""
+    def conversation(reply):
+        return CHAT + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Ok."}]
+
+    refusal = conversation([{"type": "refusal", "refusal": "I cannot."}])
+    tokens = [httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+              for messages in (refusal, conversation("I cannot."))]
+    assert tokens[0] == tokens[1]
+    reply = client.chat.completions.create(model=MODEL, messages=refusal, max_tokens=1)
+    assert reply.usage.prompt_tokens == tokens[0]["count"]
+
+
 def test_tokenize_round_trip(server, offline):
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert tokens["tokens"] == offline.get_tokenizer().encode("hello world")
