@@ -195,6 +195,19 @@ def _answering_app() -> FastAPI:
     return app
 
 
+def test_the_router_answers_ping_as_its_health(alive):
+    """vLLM's /ping, by GET or POST, is the router's own /health (a replica's would say 200
+    while the router drains)."""
+    from fastapi.testclient import TestClient
+
+    app = build_router_app([Replica(0, f"http://127.0.0.1:{free_port()}", alive)])
+    router = TestClient(app)
+    assert [router.request(method, "/ping").status_code for method in ("GET", "POST")] \
+        == [200, 200]
+    app.state.draining = True
+    assert router.get("/ping").status_code == 503
+
+
 def test_a_stuck_replica_is_taken_out_and_its_requests_fail(alive):
     """A replica that lives but answers nothing (a socket nobody accepts on): its /health
     probe times out, the request waiting there gets a 502 naming why, streams an error

@@ -366,6 +366,20 @@ def test_an_assistants_refusal_part_is_its_text(server, client):
     assert reply.usage.prompt_tokens == tokens[0]["count"]
 
 
+def test_ping_answers_as_health_does(server, async_llm):
+    """vLLM's /ping (SageMaker's health check), by GET or POST: 200 while the server takes
+    requests, 503 while it drains."""
+    from fastapi.testclient import TestClient
+
+    from fulcrum.server import build_app
+
+    assert [httpx.request(method, server.url + "/ping").status_code
+            for method in ("GET", "POST")] == [200, 200]
+    app = build_app(async_llm, MODEL, api_key="sesame", web_ui=False)
+    app.state.draining = True
+    assert TestClient(app).get("/ping").status_code == 503
+
+
 def test_tokenize_round_trip(server, offline):
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert tokens["tokens"] == offline.get_tokenizer().encode("hello world")

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes under /v1, plus health, version, metrics and tokenizer.
+"""The FastAPI app: OpenAI's routes under /v1, plus health (and ping), version, metrics and
+tokenizer.
 
 `build_app` takes a ready `AsyncLLM`, so one engine can sit behind several apps (tests) and
 the caller decides its lifetime. With API keys, only /v1 routes are protected, as in vLLM:
@@ -208,6 +209,9 @@ def _utility_routes(serving: OpenAIServing, metrics: Optional[ServerMetrics],
     async def health() -> Response:
         """200 while the server takes requests; 503 once the engine died or while draining."""
         return Response(status_code=200 if llm.is_healthy and not is_draining() else 503)
+
+    # vLLM's /ping (SageMaker's health check, GET or POST): /health's answer.
+    router.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @router.get("/version")
     async def version() -> dict:

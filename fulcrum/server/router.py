@@ -232,6 +232,7 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's name of it (SageMaker's)
     async def health() -> Response:
         states = [{"engine": r.index, "healthy": r.healthy, "in_flight": r.in_flight,
                    **({"error": r.error} if r.error else {})} for r in replicas]
