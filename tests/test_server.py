@@ -90,8 +90,11 @@ def test_continuous_usage_stats_come_with_include_usage(client):
         return [chunk.usage and chunk.usage.completion_tokens for chunk in stream]
 
     assert usages(include_usage=True, continuous_usage_stats=True) == [1, 2, 3, 3]
-    assert usages(continuous_usage_stats=True) == [None, None, None]  # as in vLLM
     assert usages(include_usage=True) == [None, None, None, 3]
+    assert usages(include_usage=False, continuous_usage_stats=True) == [None, None, None]
+    # vLLM's StreamOptions: include_usage is true unless the client says otherwise.
+    assert usages(continuous_usage_stats=True) == [1, 2, 3, 3]
+    assert usages() == [None, None, None, 3]
 
 
 def test_continuous_usage_counts_each_choice_and_its_prompt(client, server):

@@ -36,7 +36,10 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """A stream's usage: vLLM's defaults, so stream_options given without include_usage
+    (`{"continuous_usage_stats": true}` alone, say) still asks for it, as it does there."""
+
+    include_usage: bool = True
     continuous_usage_stats: bool = False
 
 
