@@ -414,6 +414,8 @@ def test_tokenize_round_trip(server, offline):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, 400,
      "maximum model length of 512"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "prompt_logprobs": 0}, 400,
+     "prompt_logprobs are not available when stream is true"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "gpt-9"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ raise_exception('no') }}"},
      400, "--trust-request-chat-template"),

@@ -356,6 +356,9 @@ class ChatCompletionRequest(SamplingRequest, _Conversation):
     def unsupported(self) -> Optional[Tuple[str, str]]:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's refusal too
+            return "prompt_logprobs", ("prompt_logprobs are not available when stream is "
+                                       "true: a chat stream's chunks have no field for them")
         if self.tool_choice not in (None, "none") and not self.tools:
             return "tool_choice", "tool_choice needs tools"
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
