@@ -138,3 +138,14 @@ def test_without_a_reasoning_parser_there_is_no_reasoning_field(llama_dir):
         (choice,) = chat(server, "<think>x</think>y", max_tokens=40)["choices"]
     assert choice["message"]["content"] == "<think>x</think>y"
     assert "reasoning" not in choice["message"] and "reasoning_content" not in choice["message"]
+
+
+def test_a_stream_with_return_token_ids_carries_every_token(thinking_server):
+    """Tokens whose text the parser holds back (a <think> or </think> still forming) go out
+    all the same with return_token_ids, in chunks with an empty delta, as vLLM sends them:
+    they were in no chunk, and the stream's ids fell short of the tokens generated."""
+    answer = "<think>Hm.</think>Yes."
+    (whole,) = chat(thinking_server, answer, return_token_ids=True)["choices"]
+    streamed = chat(thinking_server, answer, stream=True, return_token_ids=True)
+    assert [t for choice in streamed for t in choice["token_ids"] or []] == whole["token_ids"]
+    assert len(whole["token_ids"]) >= len(answer)

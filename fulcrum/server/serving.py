@@ -668,10 +668,13 @@ class OpenAIServing:
                                        reasoning_content=thought,
                                        tool_calls=piece.tool_calls or None)
                 finish_reason = _tool_finish_reason(c.finish_reason, were_calls)
-            if (stream is not None or thinking[c.index] is not None) and request.num_logprobs \
-                    is None and (message.content, message.reasoning, message.tool_calls,
-                                 finish_reason) == (None, None, None, None):
-                return []  # text a parser holds back: no empty chunk (as vLLM)
+            held_back = (message.content, message.reasoning, message.tool_calls,
+                         finish_reason) == (None, None, None, None)
+            if (stream is not None or thinking[c.index] is not None) and held_back \
+                    and request.num_logprobs is None and not request.return_token_ids:
+                # Text a parser holds back: no empty chunk (as vLLM), unless it must carry
+                # its tokens' logprobs or ids (vLLM sends return_token_ids' too).
+                return []
             usage = self._running_usage(request, generation, c)
             streamed = ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
