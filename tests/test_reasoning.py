@@ -149,3 +149,21 @@ def test_a_stream_with_return_token_ids_carries_every_token(thinking_server):
     streamed = chat(thinking_server, answer, stream=True, return_token_ids=True)
     assert [t for choice in streamed for t in choice["token_ids"] or []] == whole["token_ids"]
     assert len(whole["token_ids"]) >= len(answer)
+
+
+def test_include_reasoning_false_drops_the_thinking(thinking_server):
+    """vLLM's include_reasoning: false gives the answer without its thinking, whole or
+    streamed, and without the logprobs and token ids that would spell it out (it was
+    logged as an unknown field and the thinking sent all the same)."""
+    answer = "<think>Paris is in France.</think>It is sunny."
+    body = {"include_reasoning": False, "logprobs": True, "return_token_ids": True}
+    (choice,) = chat(thinking_server, answer, **body)["choices"]
+    assert choice["message"]["content"] == "It is sunny."
+    assert "reasoning" not in choice["message"] and "reasoning_content" not in choice["message"]
+    assert choice["logprobs"] is None and choice["token_ids"] is None
+    deltas = chat(thinking_server, answer, stream=True, **body)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "It is sunny."
+    assert not any(d["delta"].get("reasoning") or d["logprobs"] or d["token_ids"]
+                   for d in deltas)
+    (shown,) = chat(thinking_server, answer, include_reasoning=True)["choices"]
+    assert shown["message"]["reasoning"] == "Paris is in France."

@@ -309,6 +309,9 @@ class ChatCompletionRequest(SamplingRequest, _Conversation):
     tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=1024)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # OpenAI's: False allows one call a turn
+    # vLLM's: false drops a reasoning model's thinking (with --reasoning-parser) from the
+    # answer, and the logprobs and token ids that would spell it out.
+    include_reasoning: bool = True
 
     @property
     def tool_dicts(self) -> Optional[List[Dict[str, Any]]]:

@@ -9,6 +9,8 @@ rest as `content`, which the tool call parser then reads.
   it is reasoning alone;
 - `qwen3`: an answer thinks only where it opens with <think> (with `enable_thinking: false`
   in `chat_template_kwargs` it does not), else all of it is content.
+
+A request's `include_reasoning: false` (vLLM's) drops the thinking from the answer.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ class ReasoningDelta:
 class ReasoningStream:
     """One choice's answer split as it streams. Text that may still become a marker (the
     start of <think> at the answer's start, of </think> while it thinks) is held back until
-    it cannot, or the answer ends."""
+    it cannot, or the answer ends. `hidden` (vLLM's include_reasoning false): the thinking
+    is split off and dropped, the content alone given."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, hidden: bool = False) -> None:
         self.parser = parser
+        self.hidden = hidden
         self.text = ""
         self.read = 0  # characters of `text` already split
         self.state = "opening"  # then "thinking", then "answering"
@@ -71,6 +75,12 @@ class ReasoningStream:
         return reasoning or None, content or None
 
     def _split(self, final: bool) -> ReasoningDelta:
+        delta = self._split_all(final)
+        if self.hidden:
+            delta.reasoning = None
+        return delta
+
+    def _split_all(self, final: bool) -> ReasoningDelta:
         if self.state == "opening":
             opened = self.text.lstrip()
             if START.startswith(opened) and len(opened) < len(START) and not final:

@@ -620,7 +620,10 @@ class OpenAIServing:
         if request.top_logprobs is not None and request.top_logprobs > limit:
             raise APIError(400, f"top_logprobs must be at most {limit} (max_logprobs), got "
                                 f"{request.top_logprobs}", "top_logprobs")
-        params = self._sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        hides_thinking = not request.include_reasoning and self.reasoning_parser is not None
+        num_logprobs = None if hides_thinking else request.num_logprobs
+        with_ids = request.return_token_ids and not hides_thinking
+        params = self._sampling_params(request, request.max_output_tokens, num_logprobs)
         params = await self.off_loop_if(request.tool_mode in ("required", "named"),
                                         functools.partial(self._tool_params, request, params))
         self.check_request_template(request.chat_template)
@@ -634,17 +637,18 @@ class OpenAIServing:
         generation = _Generation([prompt], request.n)
         created = int(time.time())
         streams = {c.index: self._tool_stream(request) for c in generation.choices}
-        thinking = {c.index: self._reasoning_stream(params) for c in generation.choices}
+        thinking = {c.index: self._reasoning_stream(params, hides_thinking)
+                    for c in generation.choices}
 
         prompt_ids = prompt[1] if request.return_token_ids else None
 
         def token_ids(c: _Choice) -> Optional[List[int]]:
-            return list(c.token_ids) if request.return_token_ids else None
+            return list(c.token_ids) if with_ids else None
 
         def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
-            if request.num_logprobs is None:
+            if num_logprobs is None:
                 return None
-            return _chat_logprobs(delta.logprobs, delta.token_ids, request.num_logprobs,
+            return _chat_logprobs(delta.logprobs, delta.token_ids, num_logprobs,
                                   request.return_tokens_as_token_ids)
 
         def chunk(choices: List[ChatStreamChoice], usage: Optional[UsageInfo] = None):
@@ -671,7 +675,7 @@ class OpenAIServing:
             held_back = (message.content, message.reasoning, message.tool_calls,
                          finish_reason) == (None, None, None, None)
             if (stream is not None or thinking[c.index] is not None) and held_back \
-                    and request.num_logprobs is None and not request.return_token_ids:
+                    and num_logprobs is None and not with_ids:
                 # Text a parser holds back: no empty chunk (as vLLM), unless it must carry
                 # its tokens' logprobs or ids (vLLM sends return_token_ids' too).
                 return []
@@ -679,7 +683,7 @@ class OpenAIServing:
             streamed = ChatStreamChoice(
                 index=c.index, delta=message, logprobs=logprobs(delta),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
-                token_ids=list(delta.token_ids) if request.return_token_ids else None)
+                token_ids=list(delta.token_ids) if with_ids else None)
             return [chunk([choice], usage) for choice in _finish_apart_from_calls(streamed)]
 
         echo = request.echo_text
@@ -751,16 +755,18 @@ class OpenAIServing:
                                 "the request may not bring its own", "tool_choice")
         return dataclasses.replace(params, structured_outputs=constraint)
 
-    def _reasoning_stream(self, params: SamplingParams) -> Optional[reasoning.ReasoningStream]:
-        """None without a reasoning parser. A grammar (structured outputs, tool_choice
-        required or named) writes the answer from its first token: it thinks only where the
-        grammar opens it with <think> (deepseek_r1's rule took a JSON answer for thinking)."""
+    def _reasoning_stream(self, params: SamplingParams,
+                          hidden: bool) -> Optional[reasoning.ReasoningStream]:
+        """None without a reasoning parser; `hidden`: the thinking is dropped. A grammar
+        (structured outputs, tool_choice required or named) writes the answer from its first
+        token: it thinks only where the grammar opens it with <think> (deepseek_r1's rule
+        took a JSON answer for thinking)."""
         parser = self.reasoning_parser
         if parser is None:
             return None
         if params.structured_outputs is not None:
             parser = dataclasses.replace(parser, thinks_from_start=False)
-        return reasoning.ReasoningStream(parser)
+        return reasoning.ReasoningStream(parser, hidden)
 
     def _tool_stream(self, request: ChatCompletionRequest) -> Optional[tool_calls.ToolCallStream]:
         mode = request.tool_mode
