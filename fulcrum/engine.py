@@ -407,8 +407,9 @@ class LLMEngine:
             raise TypeError("priority must be an integer")
         policy = self.config.scheduling_policy
         if priority != 0 and policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority'; this "
-                             f"engine runs {policy!r}, which does not read priorities")
+            raise ParamError("priority", f"priority={priority} needs scheduling_policy="
+                             f"'priority'; this engine runs {policy!r}, which does not read "
+                             "priorities")
 
     def add_request(self, request_id: Optional[str], prompt: PromptType,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,

@@ -149,6 +149,7 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(tuned_server, caplog):
     priority = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 1, "priority": 3})
     assert priority.status_code == 400
     assert "needs scheduling_policy='priority'" in priority.json()["error"]["message"]
+    assert priority.json()["error"]["param"] == "priority"  # named, as the other refusals
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
