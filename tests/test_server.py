@@ -78,7 +78,11 @@ def test_streamed_completion_equals_plain_one(client):
         reasons[choice.index] = choice.finish_reason
     assert texts == {c.index: c.text for c in plain.choices}
     assert reasons == {i: "length" for i in range(4)}
-    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    # Token counts alike; cached_tokens differ when this test runs first (the plain call
+    # fills the prefix cache the stream then reads).
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(include=set(counts)) \
+        == plain.usage.model_dump(include=set(counts))
     assert len(chunks) - 1 == 4 * 8, "one chunk per generated token"
 
 
