@@ -585,8 +585,9 @@ def token_id_list(values: Any) -> List[int]:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The sampling parameters of completion `index` of an n > 1 request."""
-    seed = None
+    """The sampling parameters of completion `index` of an n > 1 request. The seed is set
+    after the copy, whose checks would read a derived seed of -1 as a request for none."""
+    child = dataclasses.replace(params, n=1)
     if params.seed is not None:  # seed + index, wrapped into the 64-bit range
-        seed = (params.seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
-    return dataclasses.replace(params, n=1, seed=seed)
+        child.seed = (params.seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+    return child

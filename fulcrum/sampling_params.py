@@ -328,6 +328,8 @@ class SamplingParams:
             setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
+        if is_int(self.seed) and self.seed == -1:
+            self.seed = None  # vLLM's "no seed": clients send -1 for a random draw
         self._verify()
         self._verify_token_controls()
 

@@ -458,6 +458,24 @@ def test_seed_reproducible_across_batch_compositions(llm):
         != alone
 
 
+def test_seed_minus_one_means_no_seed(llm):
+    """vLLM reads seed=-1 as no seed (clients send it for "random"): calls differ, where a
+    seed of -1 made every call give the same tokens."""
+    assert SamplingParams(seed=-1).seed is None
+    runs = {tuple(completion(llm, PROMPTS[0], temperature=1.0, seed=-1, max_tokens=12,
+                             ignore_eos=True).token_ids) for _ in range(3)}
+    assert len(runs) == 3
+
+
+def test_a_child_whose_derived_seed_is_minus_one_keeps_it(llm):
+    """n=3 with seed -3: the children's seeds are -3, -2 and -1 (vLLM's seed + index), and
+    the last is a seed like the others, not the "no seed" a request's -1 means."""
+    params = SamplingParams(n=3, temperature=1.0, seed=-3, max_tokens=10, ignore_eos=True)
+    runs = [[c.token_ids for c in llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def test_stop_string_ends_request_and_is_excluded(llm):
     full = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True)
     text = full.text
