@@ -359,6 +359,11 @@ class LLMEngine:
             if value is not None and value > config.max_logprobs:
                 raise ParamError(name, f"{name} must be at most {config.max_logprobs} "
                                        f"(max_logprobs), got {value}")
+            # A --max-logprobs past the vocabulary: more top tokens than there are failed
+            # the whole step's logprobs, and so its other requests.
+            if value is not None and value > self.vocab_size:
+                raise ParamError(name, f"{name} must be at most the vocabulary size "
+                                       f"({self.vocab_size}), got {value}")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             self.check_token_ids(name, f"{name}: token id", getattr(params, name) or ())
         keep = params.truncate_prompt_tokens

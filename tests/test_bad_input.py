@@ -257,6 +257,20 @@ def test_engine_limits_are_engine_args(llama_dir):
     assert len(output.outputs) == 2  # the second child's seed wraps around, in range
 
 
+def test_logprobs_past_the_vocabulary_are_refused_where_max_logprobs_allows_them(llama_dir):
+    """A max_logprobs past the vocabulary let a request ask for more top tokens than there
+    are, which failed the whole step's logprobs, the other requests in it too."""
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_logprobs=VOCAB + 10)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be at most the vocabulary size"):
+            llm.generate(ids(1, 2), SamplingParams(max_tokens=1, **{name: VOCAB + 1}),
+                         use_tqdm=False)
+    (output,) = llm.generate(ids(1, 2), SamplingParams(max_tokens=1, logprobs=VOCAB,
+                                                       prompt_logprobs=VOCAB), use_tqdm=False)
+    assert len(output.outputs[0].logprobs[0]) == VOCAB
+    assert len(output.prompt_logprobs[1]) == VOCAB
+
+
 def test_cache_salt_must_be_a_non_empty_string(llm):
     for salt in ("", 5):
         with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
