@@ -330,6 +330,9 @@ class SamplingParams:
             self.top_k = 0
         if is_int(self.seed) and self.seed == -1:
             self.seed = None  # vLLM's "no seed": clients send -1 for a random draw
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)  # vLLM's: True asks for the one most likely token
         self._verify()
         self._verify_token_controls()
 

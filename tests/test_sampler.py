@@ -567,6 +567,16 @@ def test_n_returns_n_distinct_completions(llm):
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in completions]
 
 
+def test_logprobs_true_asks_for_one_as_in_vllm(llm):
+    """vLLM's SamplingParams read logprobs=True (and prompt_logprobs=True) as 1; they were
+    refused as not integers."""
+    params = SamplingParams(logprobs=True, prompt_logprobs=True, max_tokens=2, temperature=0.0)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    output = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert all(1 <= len(entry) <= 2 for entry in output.outputs[0].logprobs)
+    assert all(1 <= len(entry) <= 2 for entry in output.prompt_logprobs[1:])
+
+
 def test_logprobs_through_llm_match_cumulative(llm):
     out = completion(llm, PROMPTS[4], temperature=0.0, max_tokens=6, ignore_eos=True,
                      logprobs=2)
