@@ -65,6 +65,10 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    # This engine's index among data-parallel replicas (the router numbers its own): requests
+    # without a seed of their own draw from the stream of seed + rank, so that replicas do not
+    # repeat one another's samples in lockstep; dummy weights come from the seed alone.
+    data_parallel_rank: int = 0
     load_format: LoadFormat = "auto"
     max_model_len: Optional[int] = None
     # Scheduler.
@@ -123,6 +127,12 @@ class EngineConfig:
         self._check_types()
         self._check_ranges()
 
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the stream that requests without a seed of their own draw from (torch
+        takes a seed modulo 2**64, so replica 0's is `seed` itself)."""
+        return (self.seed + self.data_parallel_rank) % 2**64
+
     def _check_types(self) -> None:
         """Switches must be booleans ("no" is truthy); None for the two that vLLM declares
         Optional means their default, as there."""
@@ -154,6 +164,9 @@ class EngineConfig:
                              f"got {self.block_size}")
         if not is_int(self.seed) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be a non-negative integer, got "
+                             f"{self.data_parallel_rank!r}")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ValueError(
                 f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")

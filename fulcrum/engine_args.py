@@ -19,6 +19,10 @@ _HELP = {
              "which runs it in half precision), float32, bfloat16 or float16",
     "device": "auto, cpu or cuda",
     "seed": "seed for dummy weights and for requests without their own seed",
+    "data_parallel_rank": "this engine's index among data-parallel replicas (default 0; with "
+                          "--data-parallel-size, the first replica's, the others counting up): "
+                          "requests without a seed draw from the stream of seed + rank, so "
+                          "replicas do not repeat one another's samples",
     "load_format": "auto, safetensors, pt (torch.load with weights_only=True) or dummy "
                    "(random weights from config.json alone)",
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",

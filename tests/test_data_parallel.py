@@ -19,10 +19,11 @@ import pytest
 from fastapi import FastAPI
 
 from conftest import free_port
+from fulcrum import LLM, SamplingParams
 from fulcrum.cli import build_parser
 from fulcrum.server import BackgroundServer
 from fulcrum.server.prefix_tree import PrefixTree
-from fulcrum.server.replicas import Replica, start_replicas
+from fulcrum.server.replicas import Replica, replica_args, start_replicas
 from fulcrum.server.router import build_router_app, routing_text
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,6 +141,26 @@ def test_a_killed_replica_fails_its_requests_and_the_server_serves_on(dp_server)
         assert _complete(server.url, prompt).status_code == 200
     assert 'fulcrum:router_replica_up{engine="%d"} 0.0' % target.index in \
         httpx.get(f"{server.url}/metrics").text
+
+
+def test_replicas_draw_unseeded_samples_from_streams_of_their_own(llama_dir):
+    """Every replica had the engine's seed, so the n-th unseeded request of one got the same
+    tokens as the n-th of another (two replicas in turn: each answer twice). Each replica now
+    draws from seed + its rank; seeded requests and dummy weights are alike in all."""
+    args = build_parser().parse_args(["serve", str(llama_dir), "--data-parallel-rank", "2"])
+    assert [replica_args(args, i, "127.0.0.1", 0, None).data_parallel_rank
+            for i in range(2)] == [2, 3]
+    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+    answers = []
+    for rank in (0, 1):
+        llm = LLM(str(llama_dir), load_format="dummy", data_parallel_rank=rank)
+        answers.append([llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0]
+                        .outputs[0].token_ids for p in params])
+    unseeded, seeded_and_greedy = zip(*[(a[0], a[1:]) for a in answers])
+    assert unseeded[0] != unseeded[1]
+    assert seeded_and_greedy[0] == seeded_and_greedy[1]
 
 
 def test_routing_text_and_prefix_tree():

@@ -33,6 +33,7 @@ def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
     mine = copy.copy(args)
     mine.host, mine.port = host, port
     mine.data_parallel_size = 1
+    mine.data_parallel_rank = args.data_parallel_rank + index  # a sampling stream of its own
     # Browsers talk to the router: no CORS at the replicas.
     mine.allowed_origins = mine.allowed_methods = mine.allowed_headers = None
     mine.allow_credentials = False

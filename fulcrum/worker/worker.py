@@ -62,8 +62,8 @@ class Worker:
                                         group)
         caches = allocate_kv_caches(model.spec, self.num_blocks, config.block_size,
                                     wc.kv_cache_dtype, self.device, backend)
-        self.runner = ModelRunner(model, caches, config.block_size, self.device, config.seed,
-                                  backend)
+        self.runner = ModelRunner(model, caches, config.block_size, self.device,
+                                  config.sampling_seed, backend)
 
     def follow_driver(self) -> None:
         """A non-driver rank's life: run each step the driver broadcasts until it sends
