@@ -695,10 +695,10 @@ def test_masked_tokens_logprobs_are_numbers_in_json():
     """A token a constraint masks has logprob -inf, which JSON lacks (it came out null where
     OpenAI's schema wants a number): the server sends -9999, as vLLM's does."""
     from fulcrum.outputs import Logprob
-    from fulcrum.server.serving import _prompt_logprobs, _top_logprob
+    from fulcrum.server.logprob_format import prompt_logprobs, top_logprob
 
     masked = Logprob(float("-inf"), 7, "x")
-    assert json.loads(_top_logprob(5, masked, False).model_dump_json())["logprob"] == -9999.0
-    (entry,) = _prompt_logprobs([{5: masked}])
+    assert json.loads(top_logprob(5, masked, False).model_dump_json())["logprob"] == -9999.0
+    (entry,) = prompt_logprobs([{5: masked}])
     assert entry[5].logprob == -9999.0
-    assert _top_logprob(6, Logprob(-1.5, 1, "y"), False).logprob == -1.5
+    assert top_logprob(6, Logprob(-1.5, 1, "y"), False).logprob == -1.5

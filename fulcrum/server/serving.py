@@ -1,9 +1,9 @@
 """From OpenAI-style requests to engine requests and back: completions and chat completions.
 
 One API request becomes one engine request per prompt (each with the request's `n`); their
-incremental outputs are merged into one stream. Choices are numbered prompt-major, as in
-vLLM: choice `i * n + j` is completion j of prompt i. Everything here runs on the event
-loop; the engine thread only ever sees validated requests.
+incremental outputs are merged into one stream and grow the request's choices (choices.py),
+from which the answer is built: a completion's here, a chat's in chat_answer.py. Everything
+here runs on the event loop; the engine thread only ever sees validated requests.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional,
-                    Sequence, Tuple, TypeVar, Union)
+from dataclasses import dataclass
+from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence,
+                    Tuple, TypeVar, Union)
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -27,23 +27,18 @@ from starlette.responses import Response, StreamingResponse
 from fulcrum.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
 from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_template_kwargs,
                                    content_format)
-from fulcrum.detokenizer import prompt_text_offsets
 from fulcrum.metrics import EngineMetrics
-from fulcrum.outputs import CompletionOutput, RequestOutput
-from fulcrum.outputs import Logprob
+from fulcrum.outputs import RequestOutput
 from fulcrum.sampling_params import ParamError, SamplingParams
 from fulcrum.server import reasoning, tool_calls
-from fulcrum.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                     ChatResponseMessage, ChatStreamChoice, CompletionChoice,
-                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     DeltaMessage, ErrorInfo, ErrorResponse,
-                                     PromptLogprob, PromptTokensDetails, SamplingRequest,
-                                     TokenLogprob, TopLogprob, UsageInfo)
-from fulcrum.tokenizer import Tokenizer
+from fulcrum.server.chat_answer import ChatAnswer
+from fulcrum.server.choices import Choice, Delta, EnginePrompt, Generation
+from fulcrum.server.logprob_format import legacy_logprobs, prompt_logprobs
+from fulcrum.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionChoice,
+                                     CompletionRequest, CompletionResponse, ErrorInfo,
+                                     ErrorResponse, SamplingRequest, UsageInfo)
 
 T = TypeVar("T")
-EnginePrompt = Tuple[Optional[str], List[int]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
 
@@ -138,234 +133,6 @@ def request_ids(prefix: str, raw_request: Request, request: SamplingRequest) -> 
     raw_request.state.request_id = given
     base = f"{prefix}-{given}"
     return RequestIds(base, f"{base}-{uuid.uuid4().hex[:8]}")
-
-
-# ------------------------------------------------------------ output bookkeeping
-@dataclass
-class _Delta:
-    """What one engine output added to a choice, ready to send."""
-
-    text: str
-    token_ids: List[int]
-    logprobs: List[Dict[int, Logprob]]
-    # Where each token (the echoed prompt's, then the delta's own) starts in the choice's text:
-    # tracked for the completions API's logprobs only.
-    text_offsets: List[int] = field(default_factory=list)
-    # With echo and logprobs, the delta that carries the prompt carries its logprobs too.
-    prompt_token_ids: List[int] = field(default_factory=list)
-    prompt_logprobs: List[Optional[Dict[int, Logprob]]] = field(default_factory=list)
-    # vLLM's prompt_logprobs field: in the first delta after they are computed.
-    new_prompt_logprobs: Optional[list] = None
-
-
-@dataclass
-class _Choice:
-    """One choice's output so far."""
-
-    index: int
-    prefix: str = ""  # the prompt, with echo: sent before the first delta
-    prompt_token_ids: List[int] = field(default_factory=list)  # with echo
-    prompt_logprobs: Optional[list] = None  # once computed (vLLM's prompt_logprobs)
-    sent_prompt_logprobs: bool = False
-    text: str = ""
-    token_ids: List[int] = field(default_factory=list)
-    logprobs: List[Dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-    prompt_offsets: List[int] = field(default_factory=list)  # the echoed prompt's tokens'
-    text_offsets: List[int] = field(default_factory=list)
-
-    def add(self, completion: CompletionOutput) -> _Delta:
-        echoing = not self.text
-        text = (self.prefix if echoing else "") + completion.text
-        offsets = [len(self.prefix) + offset for offset in completion.text_offsets or ()]
-        delta = _Delta(text, list(completion.token_ids), list(completion.logprobs or []),
-                       offsets)
-        self.text_offsets.extend(offsets)
-        if echoing and self.prefix:
-            self._echo_into(delta)
-        if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
-            delta.new_prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
-        self.text += text
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        self.finish_reason = completion.finish_reason
-        self.stop_reason = completion.stop_reason
-        return delta
-
-    def whole(self) -> _Delta:
-        """Everything so far, as one delta (for a response that is not streamed)."""
-        delta = _Delta(self.text, self.token_ids, self.logprobs, self.text_offsets,
-                       new_prompt_logprobs=self.prompt_logprobs)
-        if self.prefix:
-            self._echo_into(delta)
-        return delta
-
-    def _echo_into(self, delta: _Delta) -> None:
-        """The delta that carries the echoed prompt carries its tokens, logprobs, offsets."""
-        delta.prompt_token_ids = self.prompt_token_ids
-        delta.prompt_logprobs = self.prompt_logprobs or []
-        delta.text_offsets = self.prompt_offsets + delta.text_offsets
-
-
-class _Generation:
-    """The choices of one API request, fed with the engine outputs of its prompts. Given a
-    `tokenizer` (for the completions API's logprobs), an echoed prompt's tokens get their
-    text offsets too; `decoded`: which prompts' texts are their token ids decoded (given as
-    ids, or truncated), special tokens kept, as their offsets then are."""
-
-    def __init__(self, prompts: Sequence[EnginePrompt], n: int, echo: bool = False,
-                 tokenizer: Optional[Tokenizer] = None,
-                 decoded: Sequence[bool] = (), prompt_only: bool = False) -> None:
-        self.n = n
-        self.prompt_only = prompt_only  # echo with max_tokens 0: no generated token shown
-        self.prompt_tokens = sum(len(ids) for _, ids in prompts)
-        decoded = list(decoded) or [False] * len(prompts)
-        self.choices = [choice for index, prompt in enumerate(prompts)
-                        for choice in self._choices(index, prompt, echo, tokenizer,
-                                                    decoded[index])]
-        self.prompt_ids = [ids for _, ids in prompts]
-        # Prompt tokens found in the prefix cache; None until the prompt's first output.
-        self.cached_tokens: List[Optional[int]] = [None] * len(prompts)
-
-    def _choices(self, index: int, prompt: EnginePrompt, echo: bool,
-                 tokenizer: Optional[Tokenizer], decoded: bool) -> List[_Choice]:
-        text, ids = prompt
-        prefix = text if echo and text else ""
-        echoed = ids if echo else []
-        # An echoed prompt is the prompt's text, without the special tokens added to it; a
-        # decoded one keeps them (as vLLM's text of token ids).
-        offsets = (prompt_text_offsets(tokenizer, ids, skip_special_tokens=not decoded)
-                   if prefix and tokenizer else [])
-        return [_Choice(index * self.n + j, prefix, echoed, prompt_offsets=offsets)
-                for j in range(self.n)]
-
-    def add(self, prompt_index: int, output: RequestOutput) -> Iterator[Tuple[_Choice, _Delta]]:
-        self.cached_tokens[prompt_index] = output.num_cached_tokens
-        if output.prompt_logprobs is not None:
-            for choice in self.choices[prompt_index * self.n:(prompt_index + 1) * self.n]:
-                choice.prompt_logprobs = output.prompt_logprobs
-        for completion in output.outputs:
-            choice = self.choices[prompt_index * self.n + completion.index]
-            if self.prompt_only:
-                completion = _nothing_generated(completion)
-            yield choice, choice.add(completion)
-
-    async def consume(self, outputs: AsyncIterator[Tuple[int, RequestOutput]]) -> None:
-        async for prompt_index, output in outputs:
-            for _ in self.add(prompt_index, output):
-                pass
-
-    def logprob_entries(self) -> int:
-        """The logprobs (alternatives included) the choices hold, the prompts' too."""
-        prompts = {id(c.prompt_logprobs): c.prompt_logprobs for c in self.choices}
-        return sum(len(entry or ()) for c in self.choices for entry in c.logprobs) + sum(
-            len(entry or ()) for found in prompts.values() for entry in found or ())
-
-    def usage(self) -> UsageInfo:
-        return _usage_info(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
-                           sum(c or 0 for c in self.cached_tokens))
-
-    def choice_usage(self, choice: _Choice) -> UsageInfo:
-        """continuous_usage_stats on a chunk of one choice: its prompt and its tokens so far
-        (vLLM's; the totals over all choices come in the usage chunk at the end). Before
-        the prompt's first output (a chat stream's first chunks) its cached tokens are not
-        known yet and go unsaid."""
-        prompt_index = choice.index // self.n
-        return _usage_info(len(self.prompt_ids[prompt_index]), len(choice.token_ids),
-                           self.cached_tokens[prompt_index])
-
-
-def _split_reasoning(split: Optional[reasoning.ReasoningStream], text: str, last: bool
-                     ) -> Tuple[Optional[str], Optional[str]]:
-    """(reasoning, content) of a streamed piece; without a reasoning parser, all content."""
-    if split is None:
-        return None, text
-    piece = split.feed(text)
-    if last:
-        rest = split.finish()
-        piece = reasoning.ReasoningDelta((piece.reasoning or "") + (rest.reasoning or ""),
-                                         (piece.content or "") + (rest.content or ""))
-    return piece.reasoning or None, piece.content or None
-
-
-def _nothing_generated(completion: CompletionOutput) -> CompletionOutput:
-    """A completion asked for no token (echo with max_tokens 0): the one the engine ran
-    left out, and finished as max_tokens ends it, unless it failed or was aborted."""
-    finish = completion.finish_reason
-    return dataclasses.replace(
-        completion, text="", token_ids=[], logprobs=None if completion.logprobs is None else [],
-        text_offsets=None if completion.text_offsets is None else [],
-        finish_reason="length" if finish in ("stop", "length") else finish, stop_reason=None)
-
-
-def _usage_info(prompt: int, completion: int, cached: Optional[int]) -> UsageInfo:
-    """OpenAI's usage; the cached prompt tokens where known."""
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=None if cached is None else
-                     PromptTokensDetails(cached_tokens=cached))
-
-
-def _json_logprob(value: float) -> float:
-    """A logprob JSON can carry: a token a constraint masks has -inf, which JSON lacks
-    (pydantic wrote null where OpenAI's schema wants a number); vLLM's servers send -9999."""
-    return max(value, -9999.0)
-
-
-def _token_name(token_id: int, logprob: Optional[Logprob], as_id: bool,
-                decode: Callable[[int], str]) -> str:
-    """A token as logprobs show it: its text, or vLLM's "token_id:N" where asked."""
-    if as_id:
-        return f"token_id:{token_id}"
-    return (logprob.decoded_token or "") if logprob is not None else decode(token_id)
-
-
-def _legacy_logprobs(delta: _Delta, decode: Callable[[int], str],
-                     as_ids: bool = False) -> CompletionLogprobs:
-    """OpenAI's completions logprobs, the echoed prompt's first (its first token has none)."""
-    result = CompletionLogprobs(text_offset=list(delta.text_offsets))
-    entries = list(zip(delta.prompt_token_ids, delta.prompt_logprobs or
-                       [None] * len(delta.prompt_token_ids)))
-    for token_id, entry in entries + list(zip(delta.token_ids, delta.logprobs)):
-        chosen = entry[token_id] if entry else None
-        result.tokens.append(_token_name(token_id, chosen, as_ids, decode))
-        result.token_logprobs.append(_json_logprob(chosen.logprob) if chosen else None)
-        top: Optional[Dict[str, float]] = None
-        if entry:
-            top = {}
-            # Tokens may decode alike: the likelier one keeps the text's key.
-            for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank):
-                top.setdefault(_token_name(tid, lp, as_ids, decode), _json_logprob(lp.logprob))
-        result.top_logprobs.append(top)
-    return result
-
-
-def _prompt_logprobs(entries: Optional[list]) -> Optional[list]:
-    """vLLM's prompt_logprobs field: per prompt token, token id -> logprob, rank, text."""
-    if entries is None:
-        return None
-    return [None if e is None else {t: PromptLogprob(logprob=_json_logprob(lp.logprob),
-                                                     rank=lp.rank,
-                                                     decoded_token=lp.decoded_token)
-                                    for t, lp in e.items()} for e in entries]
-
-
-def _top_logprob(token_id: int, logprob: Logprob, as_id: bool) -> TopLogprob:
-    token = _token_name(token_id, logprob, as_id, str)
-    return TopLogprob(token=token, logprob=_json_logprob(logprob.logprob),
-                      bytes=list(token.encode()))
-
-
-def _chat_logprobs(entries: List[Dict[int, Logprob]], token_ids: List[int],
-                   num_top: int, as_ids: bool = False) -> ChatLogprobs:
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        tops = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
-        chosen = _top_logprob(token_id, entry[token_id], as_ids)
-        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[
-            _top_logprob(tid, lp, as_ids) for tid, lp in tops]))
-    return ChatLogprobs(content=content)
 
 
 # ------------------------------------------------------------------ streams
@@ -483,7 +250,7 @@ async def in_own_thread(function: Callable[[], T]) -> T:
 
 
 # ------------------------------------------------------------------ serving
-ChunkMaker = Callable[[_Choice, _Delta], List[BaseModel]]  # what to send: maybe nothing
+ChunkMaker = Callable[[Choice, Delta], List[BaseModel]]  # what to send: maybe nothing
 # Chat templates rendering at once, each on a thread of its own; and so, apart from them (a
 # trusted request's template may run for hours), long prompts tokenizing, constraints and
 # tools' schemas being checked, large responses being built. The rest waits.
@@ -544,9 +311,9 @@ class OpenAIServing:
                                        request.logprobs)
         if request.echo and request.logprobs is not None:  # echoed tokens get theirs too
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
-        def prepare() -> Tuple[List[EnginePrompt], SamplingParams, _Generation]:
+        def prepare() -> Tuple[List[EnginePrompt], SamplingParams, Generation]:
             prompts = self._completion_prompts(request, params.truncate_prompt_tokens)
-            return prompts, self._check(prompts, params, request), _Generation(
+            return prompts, self._check(prompts, params, request), Generation(
                 prompts, request.n, request.echo,
                 None if request.logprobs is None else self.llm.tokenizer,
                 [given != text for given, (text, _) in zip(request.prompts(), prompts)],
@@ -566,10 +333,10 @@ class OpenAIServing:
 
         ids_sent = set()  # the choices whose prompt token ids went out (return_token_ids)
 
-        def choice(c: _Choice, delta: _Delta) -> CompletionChoice:
+        def choice(c: Choice, delta: Delta) -> CompletionChoice:
             logprobs = None
             if request.logprobs is not None:
-                logprobs = _legacy_logprobs(delta, decode, request.return_tokens_as_token_ids)
+                logprobs = legacy_logprobs(delta, decode, request.return_tokens_as_token_ids)
             asked = request.prompt_logprobs is not None
             with_ids = request.return_token_ids
             prompt_ids = None
@@ -578,7 +345,7 @@ class OpenAIServing:
                 ids_sent.add(c.index)
             return CompletionChoice(
                 index=c.index, text=delta.text, logprobs=logprobs,
-                prompt_logprobs=_prompt_logprobs(delta.new_prompt_logprobs) if asked else None,
+                prompt_logprobs=prompt_logprobs(delta.new_prompt_logprobs) if asked else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 token_ids=list(delta.token_ids) if with_ids else None,
                 prompt_token_ids=prompt_ids)
@@ -587,7 +354,7 @@ class OpenAIServing:
         return await self._respond(
             request, raw_request, generation, outputs,
             chunk=lambda c, d: [response([choice(c, d)],
-                                          self._running_usage(request, generation, c))],
+                                          generation.usage_of(c, request.continuous_usage))],
             usage_chunk=lambda: response([], generation.usage()),
             final=lambda: response([choice(c, c.whole()) for c in generation.choices],
                                    generation.usage()))
@@ -622,7 +389,6 @@ class OpenAIServing:
                                 f"{request.top_logprobs}", "top_logprobs")
         hides_thinking = not request.include_reasoning and self.reasoning_parser is not None
         num_logprobs = None if hides_thinking else request.num_logprobs
-        with_ids = request.return_token_ids and not hides_thinking
         params = self._sampling_params(request, request.max_output_tokens, num_logprobs)
         params = await self.off_loop_if(request.tool_mode in ("required", "named"),
                                         functools.partial(self._tool_params, request, params))
@@ -634,102 +400,17 @@ class OpenAIServing:
                                         request.add_special_tokens)
         params = await self.off_loop_if(_heavy(params, 0), functools.partial(  # (tokenized)
             self._check, [prompt], params, request))
-        generation = _Generation([prompt], request.n)
-        created = int(time.time())
-        streams = {c.index: self._tool_stream(request) for c in generation.choices}
-        thinking = {c.index: self._reasoning_stream(params, hides_thinking)
-                    for c in generation.choices}
-
-        prompt_ids = prompt[1] if request.return_token_ids else None
-
-        def token_ids(c: _Choice) -> Optional[List[int]]:
-            return list(c.token_ids) if with_ids else None
-
-        def logprobs(delta: _Delta) -> Optional[ChatLogprobs]:
-            if num_logprobs is None:
-                return None
-            return _chat_logprobs(delta.logprobs, delta.token_ids, num_logprobs,
-                                  request.return_tokens_as_token_ids)
-
-        def chunk(choices: List[ChatStreamChoice], usage: Optional[UsageInfo] = None):
-            return ChatCompletionChunk(id=ids.response, created=created, model=self.model_name,
-                                       choices=choices, usage=usage)
-
-        def delta_chunks(c: _Choice, delta: _Delta) -> List[BaseModel]:
-            thought, text = _split_reasoning(thinking[c.index], delta.text,
-                                             c.finish_reason is not None)
-            message = DeltaMessage(content=text, reasoning=thought, reasoning_content=thought)
-            finish_reason, stream = c.finish_reason, streams[c.index]
-            if stream is not None:
-                piece = stream.feed(text or "")
-                were_calls = False
-                if c.finish_reason is not None:
-                    rest, were_calls = stream.finish()
-                    piece = tool_calls.ToolDelta(
-                        (piece.content or "") + (rest.content or "") or None,
-                        piece.tool_calls + rest.tool_calls)
-                message = DeltaMessage(content=piece.content, reasoning=thought,
-                                       reasoning_content=thought,
-                                       tool_calls=piece.tool_calls or None)
-                finish_reason = _tool_finish_reason(c.finish_reason, were_calls)
-            held_back = (message.content, message.reasoning, message.tool_calls,
-                         finish_reason) == (None, None, None, None)
-            if (stream is not None or thinking[c.index] is not None) and held_back \
-                    and num_logprobs is None and not with_ids:
-                # Text a parser holds back: no empty chunk (as vLLM), unless it must carry
-                # its tokens' logprobs or ids (vLLM sends return_token_ids' too).
-                return []
-            usage = self._running_usage(request, generation, c)
-            streamed = ChatStreamChoice(
-                index=c.index, delta=message, logprobs=logprobs(delta),
-                finish_reason=finish_reason, stop_reason=c.stop_reason,
-                token_ids=list(delta.token_ids) if with_ids else None)
-            return [chunk([choice], usage) for choice in _finish_apart_from_calls(streamed)]
-
-        echo = request.echo_text
-
-        def message(c: _Choice) -> Tuple[ChatResponseMessage, Optional[str]]:
-            split, stream = thinking[c.index], streams[c.index]
-            thought, text = (None, c.text) if split is None else split.whole(c.text)
-            reply = functools.partial(ChatResponseMessage, reasoning=thought,
-                                      reasoning_content=thought)
-            if stream is None:
-                return reply(content=echo + text if text is not None else echo or None), \
-                    c.finish_reason
-            content, calls, were_calls = stream.whole(text or "")
-            if echo:
-                content = echo + (content or "")
-            return (reply(content=content, tool_calls=calls),
-                    _tool_finish_reason(c.finish_reason, were_calls))
-
-        def final() -> BaseModel:
-            choices = []
-            for c in generation.choices:
-                reply, finish_reason = message(c)
-                choices.append(ChatChoice(index=c.index, message=reply,
-                                          logprobs=logprobs(c.whole()),
-                                          finish_reason=finish_reason,
-                                          stop_reason=c.stop_reason, token_ids=token_ids(c)))
-            prompt_logprobs = (_prompt_logprobs(generation.choices[0].prompt_logprobs)
-                               if request.prompt_logprobs is not None else None)
-            return ChatCompletionResponse(id=ids.response, created=created, model=self.model_name,
-                                          usage=generation.usage(), choices=choices,
-                                          prompt_logprobs=prompt_logprobs,
-                                          prompt_token_ids=prompt_ids)
-
-        roles = [chunk([ChatStreamChoice(index=c.index,
-                                         delta=DeltaMessage(role="assistant", content=""))],
-                       self._running_usage(request, generation, c))
-                 for c in generation.choices]
-        roles[0].prompt_token_ids = prompt_ids
-        if echo:
-            roles += [chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=echo))],
-                            self._running_usage(request, generation, c))
-                      for c in generation.choices]
+        generation = Generation([prompt], request.n)
+        answer = ChatAnswer(
+            request, generation, ids.response, self.model_name,
+            thinking={c.index: self._reasoning_stream(params, hides_thinking)
+                      for c in generation.choices},
+            calls={c.index: self._tool_stream(request) for c in generation.choices},
+            num_logprobs=num_logprobs, with_ids=request.return_token_ids and not hides_thinking)
         outputs = self._generate([prompt], params, ids.engine, request)
-        return await self._respond(
-            request, raw_request, generation, outputs, chunk=delta_chunks,
-            usage_chunk=lambda: chunk([], generation.usage()), final=final, preamble=roles)
+        return await self._respond(request, raw_request, generation, outputs,
+                                   chunk=answer.delta_chunks, usage_chunk=answer.usage_chunk,
+                                   final=answer.final, preamble=answer.preamble())
 
     def _tool_params(self, request: ChatCompletionRequest,
                      params: SamplingParams) -> SamplingParams:
@@ -887,13 +568,8 @@ class OpenAIServing:
                    for i, (text, ids) in enumerate(prompts)]
         return merge_streams(streams)
 
-    @staticmethod
-    def _running_usage(request: SamplingRequest, generation: _Generation,
-                       choice: _Choice) -> Optional[UsageInfo]:
-        return generation.choice_usage(choice) if request.continuous_usage else None
-
     async def _respond(self, request: SamplingRequest, raw_request: Request,
-                       generation: _Generation,
+                       generation: Generation,
                        outputs: AsyncIterator[Tuple[int, RequestOutput]], chunk: ChunkMaker,
                        usage_chunk: Callable[[], BaseModel], final: Callable[[], BaseModel],
                        preamble: Sequence[BaseModel] = ()) -> Union[Response, BaseModel]:
@@ -912,25 +588,7 @@ class OpenAIServing:
         return Response(body, media_type="application/json")
 
 
-def _finish_apart_from_calls(piece: ChatStreamChoice) -> List[ChatStreamChoice]:
-    """A choice's last piece, its finish_reason in a piece of its own where it carries tool
-    calls (as OpenAI sends it): OpenAI's SDK stream helper closes a call (its
-    tool_calls.function.arguments.done event, with parsed_arguments) when a later piece
-    comes, so a call sent whole with the finish_reason (as "required" and "auto" send them)
-    would never be closed."""
-    if piece.finish_reason is None or not piece.delta.tool_calls:
-        return [piece]
-    finish = ChatStreamChoice(index=piece.index, delta=DeltaMessage(),
-                              finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
-    return [piece.model_copy(update={"finish_reason": None, "stop_reason": None}), finish]
-
-
-def _tool_finish_reason(finish_reason: Optional[str], were_calls: bool) -> Optional[str]:
-    """OpenAI's "tool_calls" for an answer that ended in calls of the model's choosing."""
-    return "tool_calls" if were_calls and finish_reason == "stop" else finish_reason
-
-
-async def _events(generation: _Generation, outputs: AsyncIterator[Tuple[int, RequestOutput]],
+async def _events(generation: Generation, outputs: AsyncIterator[Tuple[int, RequestOutput]],
                   chunk: ChunkMaker, preamble: Sequence[BaseModel],
                   usage_chunk: Optional[Callable[[], BaseModel]]) -> AsyncIterator[str]:
     """OpenAI's stream: one chunk per new output, an optional usage chunk, then [DONE].
