@@ -123,6 +123,18 @@ def test_fulcrum_and_hf_produce_the_same_token_counts(llama_dir, tmp_path):
     assert "| fulcrum" in md_path.read_text()
 
 
+def test_hf_counts_the_tokens_asked_for_not_a_batch_padded_to_its_longest(llama_dir):
+    """Outputs of 2 and 8 tokens in one batch: HF generates 8 for both rows, and the 6 extra
+    tokens of the first were counted as output (16, not 10), inflating HF's tokens/s
+    whenever the lengths vary (--range-ratio)."""
+    from fulcrum.bench.datasets import SampleRequest
+
+    requests = [SampleRequest([5, 6, 7], 3, 2), SampleRequest([8, 9, 10, 11], 4, 8)]
+    theirs = measure_hf(str(llama_dir), torch.float32, "cpu", requests, batch_size=2,
+                        random_weights=True)
+    assert theirs.output_tokens == 10 and theirs.input_tokens == 7
+
+
 def test_shape_folder_matches_its_config(tmp_path, monkeypatch):
     monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path))
     folder = shape_dir("smollm2-135m")
