@@ -90,7 +90,7 @@ def test_a_stream_that_fails_mid_way_is_a_failure_and_lengths_are_what_came():
     assert unreported.completed and unreported.output_len == 3
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def live_server(llama_dir):
     port = free_port()
     command = [sys.executable, "-m", "fulcrum", "serve", str(llama_dir), "--port", str(port),
@@ -117,3 +117,19 @@ def test_bench_serve_end_to_end(live_server, tmp_path):
     assert report["slo_attainment"] == {"ttft": 1.0, "tpot": 1.0}
     assert "Request goodput (req/s)" in run.stdout and "Within all targets (%)" in run.stdout
     assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["p99"] > 0
+
+
+def test_bench_serve_chat_prompts_fit_the_servers_context(live_server, tmp_path):
+    """--dataset chat drew its lengths for a 4,096-token context whatever the server's (bench
+    serve has no --max-model-len): on this 512-token server the longest of these 4 requests
+    (569 prompt tokens) failed with a 400. The server's max_model_len now bounds them."""
+    result = tmp_path / "chat.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "fulcrum", "bench", "serve", "--base-url", live_server,
+         "--dataset", "chat", "--num-prompts", "4", "--input-len", "300", "--output-len", "8",
+         "--save-result", str(result), "--disable-tqdm"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    saved = json.loads(result.read_text())
+    assert saved["reports"]["all"]["completed"] == 4 and saved["errors"] == []
+    assert saved["args"]["max_model_len"] == 512

@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable, Dict, Tuple
 
 from fulcrum.arg_types import output_dir, output_file, positive_int, positive_seconds, url_path
 from fulcrum.bench.arrivals import add_arrival_args, build_schedule
-from fulcrum.bench.datasets import add_dataset_args, build_requests
+from fulcrum.bench.datasets import add_dataset_args, build_requests, resolve_dataset_args
 from fulcrum.bench.metrics import GOODPUT_KEYS, format_report, parse_goodput, report_by_group
 from fulcrum.bench.shapes import DEFAULT_SHAPE, SHAPES, shape_dir
 from fulcrum.config import check_slo_targets_read
@@ -223,13 +223,16 @@ def _write_json(path: str, content: Dict[str, Any]) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from fulcrum.bench.serve import make_client, run_load, served_model
+    from fulcrum.bench.serve import make_client, run_load, served_context, served_model
 
-    timed = build_schedule(build_requests(args), args)
+    resolve_dataset_args(args)  # a setting the dataset does not read fails before any request
 
     async def main() -> Tuple[str, list, float]:
         async with make_client() as client:
             model = await served_model(client, args.base_url, args.model)
+            if args.dataset == "chat":  # its prompts and answers fit the server's context
+                args.max_model_len = await served_context(client, args.base_url, model)
+            timed = build_schedule(build_requests(args), args)
             url = args.base_url.rstrip("/") + args.endpoint
             timelines, duration = await run_load(client, url, model, timed,
                                                  args.max_concurrency, not args.disable_tqdm)

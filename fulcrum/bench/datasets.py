@@ -19,7 +19,7 @@ import numpy as np
 from fulcrum.arg_types import non_negative_int, positive_int
 
 RANDOM_ID_LIMIT = 256
-CHAT_MAX_LEN = 4096  # --dataset chat's context when the command sets no --max-model-len
+CHAT_MAX_LEN = 4096  # --dataset chat's context without --max-model-len (or a server that says)
 SHORT, LONG = "short", "long"
 
 

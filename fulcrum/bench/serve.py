@@ -116,6 +116,16 @@ async def served_model(client: httpx.AsyncClient, base_url: str,
     return wanted or models[0]["id"]
 
 
+async def served_context(client: httpx.AsyncClient, base_url: str,
+                         model: str) -> Optional[int]:
+    """The context the server gives `model`: the `max_model_len` of its /v1/models entry (as
+    fulcrum and vLLM list it); None where the server does not say (llama.cpp's server)."""
+    reply = await client.get(base_url.rstrip("/") + "/v1/models")
+    reply.raise_for_status()
+    listed = {entry.get("id"): entry for entry in reply.json().get("data") or []}
+    return (listed.get(model) or {}).get("max_model_len")
+
+
 # No connection cap: the schedule and --max-concurrency set the load. No connection is kept
 # for reuse either: a server may close an idle one just as the client sends on it (uvicorn,
 # fulcrum's server and vLLM's, after 5 s idle; llama.cpp's server now and then right after a
