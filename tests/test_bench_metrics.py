@@ -235,6 +235,29 @@ def test_mixed_schedule_gives_each_group_its_rate():
     assert max(offsets) > 1.0  # the short ones trickle in after the long ones
 
 
+def test_chat_long_requests_arrive_with_the_others_unless_given_a_rate():
+    """--dataset chat at 2 req/s sent its longest prompts (over 4x the median: 6 of 64) all
+    at t=0, a burst the asked rate never offered; they now arrive in the one process at
+    --request-rate (their group still splits the report). Mixed keeps its long prompts at
+    the start, and a --long-request-rate still gives the long requests their own process."""
+    from fulcrum.bench.arrivals import build_schedule
+    from fulcrum.bench.datasets import build_requests
+
+    args = _bench_args("serve", "--dataset", "chat", "--request-rate", "2")
+    timed = build_schedule(build_requests(args), args)
+    assert [offset for offset, _ in timed].count(0.0) == 1
+    assert sum(r.group == "long" for _, r in timed) == 6
+    offsets = [offset for offset, _ in timed]
+    assert np.mean(np.diff(offsets)) == pytest.approx(0.5, rel=0.3)
+    args = _bench_args("serve", "--dataset", "chat", "--request-rate", "2",
+                       "--long-request-rate", "inf")
+    timed = build_schedule(build_requests(args), args)
+    assert all(offset == 0.0 for offset, r in timed if r.group == "long")
+    args = _bench_args("serve", "--dataset", "mixed", "--request-rate", "2")
+    timed = build_schedule(build_requests(args), args)
+    assert [r.group for offset, r in timed if offset == 0.0] == ["long", "long", "short"]
+
+
 def test_jsonl_dataset(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(item) for item in [

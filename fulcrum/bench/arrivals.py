@@ -1,8 +1,10 @@
 """When each request is sent: all at once, Poisson at a rate, or gamma with a burstiness.
 
 Gaps are gamma-distributed with shape `burstiness` and mean 1/rate, as in vLLM: burstiness 1
-is a Poisson process, below 1 burstier, above 1 more regular. Each request group (the mixed
-dataset's short and long requests) can arrive at its own rate.
+is a Poisson process, below 1 burstier, above 1 more regular. A request group given a rate
+of its own (the mixed dataset's long requests) arrives apart at that rate; all the other
+requests arrive together, as one process at the "all" rate, whatever their groups (the chat
+dataset's short and long requests are reported apart, not sent apart).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ def arrival_offsets(count: int, rate: float, burstiness: float,
 
 def schedule(requests: List[SampleRequest], rates: Dict[str, float], burstiness: float,
              seed: int) -> Schedule:
-    """Offsets for every request, group by group, merged in time order (stable)."""
+    """Offsets for every request, one arrival process per group with a rate of its own in
+    `rates` and one for the rest at `rates["all"]`, merged in time order (stable)."""
     rng = np.random.default_rng(seed)
+    process = [r.group if r.group in rates else "all" for r in requests]
     timed: Schedule = []
-    for group in dict.fromkeys(r.group for r in requests):
-        members = [r for r in requests if r.group == group]
-        offsets = arrival_offsets(len(members), rates.get(group, rates["all"]), burstiness, rng)
+    for key in dict.fromkeys(process):
+        members = [r for r, k in zip(requests, process) if k == key]
+        offsets = arrival_offsets(len(members), rates[key], burstiness, rng)
         timed.extend(zip(offsets, members))
     return sorted(timed, key=lambda item: item[0])
 
@@ -49,13 +53,18 @@ def add_arrival_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--burstiness", type=float, default=1.0,
                        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier")
     group.add_argument("--long-request-rate", type=float,
-                       help="mixed, chat: arrival rate of the long requests (default inf: at "
-                            "the start)")
+                       help="arrival rate of the long requests, apart from the others "
+                            "(default: inf, at the start, for --dataset mixed; with the others "
+                            "at --request-rate otherwise)")
 
 
 def build_schedule(requests: List[SampleRequest], args: argparse.Namespace) -> Schedule:
     long_rate = args.long_request_rate
     if long_rate is not None and not any(r.group == LONG for r in requests):
         raise ValueError("--long-request-rate is given but the dataset has no long requests")
-    rates = {"all": args.request_rate, LONG: math.inf if long_rate is None else long_rate}
+    rates = {"all": args.request_rate}
+    if long_rate is not None:
+        rates[LONG] = long_rate
+    elif args.dataset == "mixed":  # the head-of-line scenario: the long prompts come first
+        rates[LONG] = math.inf
     return schedule(requests, rates, args.burstiness, args.seed)
