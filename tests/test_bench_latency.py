@@ -144,3 +144,26 @@ def test_kernel_roofline_judges_each_step_by_compute_or_memory(engine):
     read = 4 * (weights - 4 * head_params) + 3 * 4 * head_params + 2 * 21 * kv_per_key
     assert kernel_roofline_s(engine, [5, 5], [4, 4], steps, float("inf"), 1e9) == \
         pytest.approx(read / 1e9, rel=1e-12)
+
+
+def test_the_page_names_only_the_weights_that_ran():
+    """--quantizations none ran the bf16 engine alone, yet the page said the model ran "with
+    its weights as loaded and with int8 ..., runs alternating between the two"."""
+    row = {"batch": 1, "ms_per_token": 2.0, "tokens_per_s": 500.0, "bandwidth_gb_per_s": 10.0,
+           "roofline_ms": 1.0, "share_of_roofline": 0.5, "forward_ms": 1.5,
+           "forward_share_of_roofline": 0.7, "bound": "memory", "achieved_gb_per_s": 5.0,
+           "achieved_gflops": 1.0}
+    setup = {"shape": "tiny", "dtype": "bfloat16", "input_len": 5, "output_len": 6,
+             "machine": {"cpu": "Some CPU", "cores": 2, "date": "today"}, "command": "c"}
+
+    def page(*labels):
+        data = {"setup": setup, "machine_limits": {"bandwidth_gb_per_s_probes": {"1": [10.0]}},
+                "engines": {label: {"weights_mb": 1.0, "matrix_peak_gflops": 1.0, "rows": [row]}
+                            for label in labels}}
+        return summary(data, Path("/r/latency.json"), Path("/docs"))[3]
+
+    assert "bfloat16, with its weights as loaded; 5-token prompts" in page("bfloat16")
+    assert "bfloat16, with int8 (`--quantization int8`, the LM head included); 5-token" in \
+        page("int8")
+    assert ("with its weights as loaded and with int8 (`--quantization int8`, the LM head "
+            "included), runs alternating between the two; 5-token") in page("bfloat16", "int8")

@@ -337,8 +337,7 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     probes = [r for readings in limits["bandwidth_gb_per_s_probes"].values() for r in readings]
     return ["", "## Latency against the roofline", "",
             f"Time per output token at each batch size ({setup['shape']} shape, {setup['dtype']}, "
-            "with its weights as loaded and with int8 (`--quantization int8`, the "
-            "LM head included), runs alternating between the two; "
+            f"{_weights_compared(list(data['engines']))}; "
             f"{setup['input_len']}-token prompts, {setup['output_len']} output tokens, median of "
             "the steps where the whole batch decodes, in-process). The roofline is this "
             "machine's own limit, measured in the same run: memory bandwidth by a probe "
@@ -353,6 +352,15 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
             f"{_where(setup['machine'])}; [raw]({relative(json_path)}); `{setup['command']}` "
             "regenerates it.", "", *table(data), "",
             f"![latency]({relative(json_path.with_suffix('.png'))})"]
+
+
+def _weights_compared(labels: Sequence[str]) -> str:
+    """Which weights the run measured (`--quantizations` may leave either out), as the page
+    says it: a page must not claim an int8 engine, or alternating runs, that never ran."""
+    int8 = "int8 (`--quantization int8`, the LM head included)"
+    if len(labels) > 1:
+        return f"with its weights as loaded and with {int8}, runs alternating between the two"
+    return f"with {int8}" if labels[0] == "int8" else "with its weights as loaded"
 
 
 def _where(machine: Dict[str, Any]) -> str:
