@@ -26,7 +26,7 @@ def _part(variants, loads):
 
 
 def test_summary_states_each_ratio():
-    data = {"setup": {"repeats": 2, "command": "fulcrum bench scale", "machine": {"date": "D"},
+    data = {"setup": {"repeats": 2, "command": "fulcrum bench scale", "machine": {"date": "D", "cores": 2},
                       "routing": {"prefixes": 8, "per_prefix": 8, "prefix_len": 768,
                                   "ending_len": 32, "concurrency": 8}},
             "parts": {
@@ -48,7 +48,14 @@ def test_summary_states_each_ratio():
                                                         "total_tokens_per_s": 4,
                                                         "makespan_s": 5}}})}}
     text = "\n".join(summary(data, Path("/r/scale.json"), Path("/docs")))
-    assert "so on two cores it is slower: TPOT at batch 1 x1.50, at batch 8 x1.50" in text
+    assert "two ranks, 1 core each, against one rank on all 2 cores." in text
+    assert "so on 2 cores it is slower: TPOT at batch 1 x1.50, at batch 8 x1.50" in text
+    assert "two replicas behind the router, 1 core each, against one engine on all 2 cores" \
+        in text
+    data["setup"]["machine"]["cores"] = 16  # the page once said one core each on any machine
+    text = "\n".join(summary(data, Path("/r/scale.json"), Path("/docs")))
+    assert "two ranks, 8 cores each, against one rank on all 16 cores." in text
+    assert "so on 16 cores it is slower" in text
     assert "TTFT x0.90" in text
     assert "total tokens/s x0.95" in text
     assert "prefix-cache hit rate 0.50 vs 0.80" in text

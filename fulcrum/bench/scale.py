@@ -215,6 +215,14 @@ def _ratio(part: Dict[str, Any], load: str, key: str) -> float:
     return second[load][key] / first[load][key]
 
 
+def _split(two: str, one: str, cores: int) -> str:
+    """How the two ranks or replicas share the run's cores, against one process on all of
+    them (launch.split_cores gives each a contiguous half; an odd core goes to the first)."""
+    half = cores // 2 if cores % 2 == 0 else f"{cores // 2} or {cores // 2 + 1}"
+    return (f"two {two}, {half} core{'s' if cores > 2 else ''} each, against one {one} on "
+            f"all {cores} cores")
+
+
 def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
     """The "Scale" section of docs/performance.md (links relative to page_dir)."""
     setup, parts = data["setup"], data["parts"]
@@ -222,15 +230,15 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
              f"Servers alternating, {setup['repeats']} runs each, medians; each server fresh "
              f"and alone on the machine; [raw]({os.path.relpath(json_path, page_dir)}); "
              "`fulcrum bench scale --repeats 2` regenerates it (`--parts tp` one part)."]
+    cores = setup["machine"]["cores"]
     if "tp" in parts:
         tp = parts["tp"]
         slower = _ratio(tp, "batch 8", "tpot_ms") > 1
         lines += ["", f"**Tensor parallel** ({tp['shape']} shape, bfloat16; {_date(tp, setup)}): "
-                  "two ranks, one "
-                  "core each, against one rank on both cores. The split halves each rank's "
+                  f"{_split('ranks', 'rank', cores)}. The split halves each rank's "
                   "weights and matrix work but adds two all-reduces a layer (through shared "
                   "memory) and a message from the driver to the other rank each step"
-                  + (", so on two cores it is slower: " if slower else ": ") +
+                  + (f", so on {cores} cores it is slower: " if slower else ": ") +
                   f"TPOT at batch 1 x{_ratio(tp, 'batch 1', 'tpot_ms'):.2f}, at batch 8 "
                   f"x{_ratio(tp, 'batch 8', 'tpot_ms'):.2f}, a 1,024-token prompt's TTFT "
                   f"x{_ratio(tp, 'prefill 1024', 'ttft_ms'):.2f}. Its point is models larger "
@@ -240,9 +248,8 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
                              ("TTFT 1,024-token prompt (ms)", "prefill 1024", "ttft_ms")])
     if "dp" in parts:
         dp = parts["dp"]
-        lines += ["", f"**Data parallel** ({dp['shape']} shape; {_date(dp, setup)}): two "
-                  "replicas with one core "
-                  "each behind the router, against one engine on both cores, on the "
+        lines += ["", f"**Data parallel** ({dp['shape']} shape; {_date(dp, setup)}): "
+                  f"{_split('replicas behind the router', 'engine', cores)}, on the "
                   "throughput workload: total tokens/s "
                   f"x{_ratio(dp, 'throughput', 'total_tokens_per_s'):.2f}.", ""]
         lines += _table(dp, [("total tokens/s", "throughput", "total_tokens_per_s"),
