@@ -294,6 +294,26 @@ def test_a_hopeless_prompt_yields_until_it_has_aged():
     assert chunk_of(out, "newcomer") is None
 
 
+def test_an_idle_engine_serves_prompts_under_a_ttft_target_tighter_than_any_step():
+    """Engine targets tighter than a one-token step's fixed cost left every step of an idle
+    engine empty: each prompt waited to age, and one with a loose target of its own (1000 s,
+    aged after 2000 s) was never served while the engine sat idle."""
+    sim = slo_sim()
+    policy = sim.sched.policy
+    policy.expect_arrivals(SloTargets(ttft_s=1e-6))
+    assert policy.model.predict(StepShape.of_decodes([1])) > \
+        policy.model.prefill_seconds(0, 0) + SLO_ARRIVAL_SHARE * 1e-6
+    add(sim, "loose", 40, ttft=1000.0, max_tokens=2)
+    add(sim, "default", 40, ttft=1e-6, max_tokens=2)
+    out = clocked_step(sim)
+    assert [c.num_tokens for c in out.chunks] == [SLO_AGED_MIN_CHUNK]
+    for _ in range(20):
+        if not sim.sched.has_unfinished_requests():
+            break
+        assert not clocked_step(sim).is_empty
+    sim.check_all_done()
+
+
 @st.composite
 def workloads(draw):
     return [dict(at=draw(st.integers(0, 30)), prompt=draw(st.integers(1, 1500)),

@@ -26,7 +26,8 @@ PRIORITY_AGING_S = 10.0
 # until it has waited this many times its target plus its own prefill time (so a long
 # prompt does not jump the queue merely for being long); then it goes first.
 SLO_AGING_FACTOR = 2.0
-# slo: an aged prompt gets at least this many tokens a step, even past the step-time cap.
+# slo: an aged prompt gets at least this many tokens a step, even past the step-time cap; so
+# does the first chunk of a step that carries nothing else (see `StepTimeLimit.cap`).
 SLO_AGED_MIN_CHUNK = 16
 # slo: a decoding request that is ahead of its TPOT target (its tokens came faster than the
 # target, on average) lets a step take up to this many times the target, spending the time
@@ -71,7 +72,8 @@ class FixedChunkLimit(PrefillLimit):
 class StepTimeLimit(FixedChunkLimit):
     """Prompt chunks while the step's predicted time stays within `seconds` (and within an
     explicit `long_prefill_token_threshold`); prompts that have waited past their aging
-    bound get a minimum chunk regardless, so none starves.
+    bound get a minimum chunk regardless, so none starves, and so does the first chunk of a
+    step that carries nothing else, so the engine never idles with prompts waiting.
 
     `budget()` gives (the decodes' step shape, the seconds they allow); it runs over every
     decode, so only once a prompt asks for a chunk (most steps of a busy server have none)."""
@@ -111,8 +113,17 @@ class StepTimeLimit(FixedChunkLimit):
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
-        floor = min(wanted, SLO_AGED_MIN_CHUNK) if self.is_aged(request) else 0
-        return max(low, floor)
+        return max(low, self._floor(request, wanted))
+
+    def _floor(self, request: Request, wanted: int) -> int:
+        """The least chunk `request` gets whatever the cap. An aged prompt's, and that of a
+        step holding nothing yet: where the targets are tighter than a one-token step (a
+        TTFT target under the model's fixed cost), a cap of 0 there would leave the engine
+        idle, every prompt waiting to age, and one with a looser target of its own (aged
+        only after twice that target) waiting that long with nothing else to run."""
+        if self.is_aged(request) or self.shape.is_empty:
+            return min(wanted, SLO_AGED_MIN_CHUNK)
+        return 0
 
     def add(self, request: Request, start: int, num_tokens: int) -> None:
         self.shape.add_chunk(start, num_tokens)
