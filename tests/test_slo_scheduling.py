@@ -381,6 +381,65 @@ def test_priority_aging_serves_a_low_priority_request_among_a_stream_of_urgent_o
     assert 5 * PRIORITY_AGING_S / 2 - 2 <= served_at <= 5 * PRIORITY_AGING_S / 2 + 2
 
 
+def test_priority_aging_counts_time_waiting_not_time_running():
+    """A priority-1 request admitted at once and running for 11 s is still worse than a
+    fresh priority-0 one, as in vLLM: the newcomer takes its seat, and when blocks run out
+    it is the one preempted. Aging by time since arrival made it outrank the newcomer after
+    10 s (no seat for the newcomer, which was preempted in its stead)."""
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=1, scheduling_policy="priority")
+    sim.add("batch", 6, max_tokens=200, priority=1)
+    sim.step()
+    sim.now += PRIORITY_AGING_S + 1
+    sim.add("interactive", 6, max_tokens=3, priority=0)
+    out = sim.step()
+    assert out.preempted_request_ids == ["batch"]
+    assert chunk_of(out, "interactive") is not None
+    sim.run()
+
+    sim = Sim(num_blocks=7, block_size=4, max_num_batched_tokens=32, prefix_caching=False,
+              scheduling_policy="priority", max_num_seqs=2)
+    sim.add("batch", 8, max_tokens=12, priority=1)
+    sim.step()
+    sim.now += PRIORITY_AGING_S + 1
+    sim.add("interactive", 8, max_tokens=12, priority=0)
+    victims = []
+    while sim.sched.has_unfinished_requests():
+        victims += sim.step().preempted_request_ids
+    assert victims and set(victims) == {"batch"}
+    sim.check_all_done()
+
+
+def test_aging_never_lets_a_worse_priority_preempt_a_better_one():
+    """Two requests that cannot run together, each running far longer than the aging
+    step: the priority-0 one preempts the priority-1 one once, and however long the latter
+    then waits, it does not preempt back (that would make them take turns, a recompute of
+    the whole cache each time)."""
+    sim = Sim(num_blocks=17, block_size=4, prefix_caching=False, model_max_len=64,
+              max_num_batched_tokens=64, max_num_seqs=2, scheduling_policy="priority",
+              tick=PRIORITY_AGING_S / 2)
+    sim.add("low", 8, max_tokens=56, priority=1)
+    sim.step()
+    sim.add("high", 8, max_tokens=56, priority=0)
+    sim.run()
+    assert sim.all["low"].metrics.num_preemptions == 1
+    assert sim.all["high"].metrics.num_preemptions == 0
+
+
+def test_a_preempted_request_ages_while_it_waits_again():
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=1, scheduling_policy="priority")
+    low = sim.add("low", 6, max_tokens=50, priority=2)
+    sim.step()
+    sim.now += 1.5 * PRIORITY_AGING_S  # running
+    sim.add("top", 6, max_tokens=2, priority=0)
+    assert sim.step().preempted_request_ids == ["low"]
+    policy = sim.sched.policy
+    assert policy.key(low)[0] == 2  # time running did not count
+    sim.now += 2 * PRIORITY_AGING_S + 0.5
+    policy.begin_step()
+    assert policy.key(low)[0] == 0  # time waiting after its preemption does
+    sim.run()
+
+
 def test_a_preempted_request_keeps_its_place_by_priority():
     """vLLM #41951: a preempted request went back to the head of the queue, ahead of better
     requests; here it goes back to where its priority puts it."""

@@ -105,6 +105,10 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
+        # Seconds spent waiting to run before the current wait, and when that began (None
+        # while it runs): the priority policy ages requests by their time waiting only.
+        self.waited_s = 0.0
+        self.queued_since: Optional[float] = self.arrival_time
         self.stop_reason: Optional[object] = None
         self.error: Optional[str] = None  # why it failed, with FINISHED_ERROR
         # Hashes of this request's full blocks, filled lazily by the KV cache manager.

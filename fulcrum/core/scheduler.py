@@ -252,6 +252,8 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        request.waited_s += self.policy.now - request.queued_since
+        request.queued_since = None
         request.num_computed_tokens = computed.num_tokens
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = self.clock()
@@ -296,6 +298,7 @@ class Scheduler:
         plan.preempted.append(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.queued_since = self.policy.now
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
         self._enqueue(request)

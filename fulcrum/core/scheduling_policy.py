@@ -181,8 +181,11 @@ class FcfsPolicy(SchedulingPolicy):
 class PriorityPolicy(SchedulingPolicy):
     """Lower `priority` value first, then arrival. A waiting request may preempt a running one
     of strictly worse priority when the batch or the KV cache is full. Aging: every
-    PRIORITY_AGING_S seconds since its arrival lowers a request's value by one, so a request
-    of any priority is served within a bounded time however many better ones keep coming."""
+    PRIORITY_AGING_S seconds it spends waiting (before its admission, and after each
+    preemption) lowers a request's value by one, so a request of any priority is served
+    within a bounded time however many better ones keep coming. Time running does not count:
+    a request running for minutes keeps the priority it was admitted with, so a better one
+    arriving still preempts it, and is not preempted in its stead, as in vLLM."""
 
     name = "priority"
     preempts_for_seats = True
@@ -190,12 +193,20 @@ class PriorityPolicy(SchedulingPolicy):
     def key(self, request: Request) -> SortKey:
         """(effective priority: its value less one per PRIORITY_AGING_S waited, arrival, id);
         one call, no helper: the queue is sorted by this every step."""
-        arrival = request.arrival_time
-        return (request.priority - int((self.now - arrival) // PRIORITY_AGING_S), arrival,
+        since, waited = request.queued_since, request.waited_s
+        if since is not None:
+            waited += self.now - since
+        return (request.priority - int(waited // PRIORITY_AGING_S), request.arrival_time,
                 request.request_id)
 
     def may_preempt_for(self, candidate: Request, victim: Request) -> bool:
-        return self.key(candidate)[0] < self.key(victim)[0]
+        """Only for a better priority, as in vLLM, and one its aging has not made up for.
+        Aging orders the queue and shields a request admitted after a long wait; it never
+        lets a request preempt one of a better priority: two that cannot run together
+        would take turns, each waiting long enough to outrank the other, each turn a
+        recompute."""
+        return candidate.priority < victim.priority and \
+            self.key(candidate)[0] < self.key(victim)[0]
 
 
 class SloPolicy(FcfsPolicy):
