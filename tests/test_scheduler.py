@@ -572,3 +572,20 @@ def test_no_preemption_for_a_seat_when_the_newcomer_would_still_not_fit():
     assert chunk_of(out, "small").num_tokens == 1 and chunk_of(out, "mid") is None
     assert sim.all["small"].metrics.num_preemptions == 0
     sim.run()
+
+
+def test_a_preemption_for_admission_admits_the_newcomer():
+    """The budget a victim's decode gives back must not grow the newcomer's chunk past the
+    blocks weighed: here top's 4 tokens fit in the one block d frees, 5 would need two, and
+    top was not admitted while d was preempted for nothing (and c next step, likewise)."""
+    sim = Sim(num_blocks=8, block_size=4, prefix_caching=False, model_max_len=28,
+              max_num_batched_tokens=8, max_num_seqs=8, scheduling_policy="priority")
+    for request_id, prompt_len in (("a", 4), ("b", 4), ("c", 4), ("d", 3)):
+        sim.add(request_id, prompt_len, max_tokens=20, priority=2)
+    prefill_to_decode(sim, "a", "b", "c", "d")
+    assert sim.kv.num_free_blocks == 0 and sim.kv.block_table("d") == [6]
+    sim.add("top", 8, max_tokens=4, priority=0)
+    out = sim.step()
+    assert out.preempted_request_ids == ["d"]
+    assert chunk_of(out, "top").num_tokens == 4
+    sim.run()

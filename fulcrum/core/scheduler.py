@@ -241,10 +241,14 @@ class Scheduler:
                 if victim.status is RequestStatus.RUNNING:  # not already dropped with another
                     self._preempt(victim, plan)
             # Re-read the hits: preempting drops the names of blocks the victims had not
-            # computed yet (and of blocks held by requests dropped along with them).
+            # computed yet (and of blocks held by requests dropped along with them). The
+            # chunk stays at most the one weighed: the budget the victims' tokens gave back
+            # would grow it past the blocks they were chosen to free, and the request would
+            # then not fit after all, its victims preempted for nothing.
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
-            num_new = self._chunk_size(request, computed.num_tokens, remaining, plan)
+            num_new = min(num_new, self._chunk_size(request, computed.num_tokens, remaining,
+                                                    plan))
             if num_new < 1 or (num_new < remaining and not self.chunked_prefill):
                 return False
         if not self.kv.allocate_slots(request, num_new, computed):
