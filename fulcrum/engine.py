@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import numbers
 import threading
 import time
@@ -416,6 +417,23 @@ class LLMEngine:
                              f"'priority'; this engine runs {policy!r}, which does not read "
                              "priorities")
 
+    @staticmethod
+    def arrival_time(given: Optional[float]) -> float:
+        """A request's arrival on time.monotonic(), the clock the scheduler orders, ages and
+        times requests by: now unless given. One later than now (vLLM's arrival times are
+        time.time() readings, decades ahead of it) is refused: it sorted after every request
+        arriving for real, starved under fcfs or priority while others kept coming, and its
+        time to first token came out hugely negative."""
+        now = time.monotonic()
+        if given is None:
+            return now
+        if not isinstance(given, numbers.Real) or isinstance(given, bool) \
+                or not -math.inf < given <= now:
+            raise ValueError(f"arrival_time must be a time.monotonic() reading no later than "
+                             f"now ({now:.3f}), got {given!r} (fulcrum's arrival times are "
+                             "on time.monotonic(), not vLLM's time.time())")
+        return float(given)
+
     def add_request(self, request_id: Optional[str], prompt: PromptType,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                     priority: int = 0) -> str:
@@ -425,6 +443,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         self.validate_priority(priority)
+        arrival = self.arrival_time(arrival_time)
         text, token_ids = self.prepare_prompt(prompt, params)
         max_tokens = self.validate_params(params, len(token_ids))
         salt = self.cache_salt(prompt)
@@ -437,7 +456,6 @@ class LLMEngine:
                  or i in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         targets = self.slo_targets(params)
         bad_words = self.bad_words_token_ids(params.bad_words)

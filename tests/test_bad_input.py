@@ -5,8 +5,10 @@ blocks too. Broken model folders fail at load time with a clear error."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -371,6 +373,22 @@ def test_request_ids_must_be_non_empty_strings(llm):
     with pytest.raises(TypeError, match="got 7"):
         engine.abort_request(7)  # not a list of ids to iterate
     assert not engine.has_unfinished_requests()
+
+
+def test_an_arrival_time_later_than_now_is_refused(llm):
+    """vLLM's arrival times are time.time() readings; read on fulcrum's time.monotonic()
+    such a request sorted after every later arrival, and starved while others kept
+    coming. A past time.monotonic() reading (a replayed trace) still orders the queue."""
+    engine = llm.llm_engine
+    for bad in (time.time(), time.monotonic() + 60, math.nan, "0"):
+        with pytest.raises(ValueError, match="arrival_time must be a time.monotonic"):
+            engine.add_request("late", [1, 2], SamplingParams(max_tokens=1), arrival_time=bad)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("now", [1, 2], SamplingParams(max_tokens=1))
+    engine.add_request("earlier", [3, 4], SamplingParams(max_tokens=1),
+                       arrival_time=time.monotonic() - 5)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["earlier", "now"]
+    run_to_completion(engine)
 
 
 def test_a_full_length_request_fits_the_smallest_cache_allowed(llama_dir):
