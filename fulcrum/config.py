@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Literal, Optional
 
+import torch
+
 from fulcrum.sampling_params import is_int
 
 SchedulingPolicy = Literal["slo", "fcfs", "priority"]
@@ -51,6 +53,12 @@ _TYPE_RULES = {
     "str": (lambda v: isinstance(v, str), "a string"),
     "Optional[str]": (lambda v: isinstance(v, str), "a string"),
 }
+
+
+def _dtype_name(value: object) -> object:
+    """A torch.dtype's name ("bfloat16" for torch.bfloat16), the form dtype strings take;
+    any other value as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
 @dataclass
@@ -135,7 +143,9 @@ class EngineConfig:
 
     def _check_types(self) -> None:
         """Switches must be booleans ("no" is truthy); None for the two that vLLM declares
-        Optional means their default, as there."""
+        Optional means their default, as there; a torch.dtype for dtype (vLLM's LLM takes
+        one: `LLM(model, dtype=torch.bfloat16)`) is held as its name."""
+        self.dtype = _dtype_name(self.dtype)
         for field in dataclasses.fields(self):
             if field.name in ("enable_chunked_prefill", "enable_prefix_caching") and \
                     getattr(self, field.name) is None:

@@ -33,3 +33,13 @@ def test_half_precision_runs_close_to_float32(stories_dir, dtype, kernel_path):
     assert got[best] == pytest.approx(reference[best], abs=0.1)
     (out,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 16
+
+
+def test_a_torch_dtype_is_taken_as_vllm_takes_it(stories_dir):
+    """vLLM's LLM takes dtype=torch.bfloat16 as it takes "bfloat16" (ModelConfig.dtype:
+    ModelDType | torch.dtype); one fulcrum has no kernels for is refused by its name."""
+    engine = LLM(str(stories_dir), dtype=torch.bfloat16).llm_engine
+    assert engine.config.dtype == "bfloat16" and engine.dtype == torch.bfloat16
+    assert next(engine.runner.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
+        LLM(str(stories_dir), dtype=torch.float64)
