@@ -77,7 +77,8 @@ _HELP = {
 }
 
 
-_SHORT = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}  # vLLM's
+_SHORT = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
+          "quantization": ("-q",)}  # vLLM's
 
 
 def _base_type(annotation: Any) -> type:

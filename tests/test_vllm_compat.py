@@ -92,6 +92,13 @@ def test_vllm_launch_arguments_with_the_supported_value(llama_dir):
     assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
 
 
+def test_vllm_short_flags():
+    """vLLM's short forms of its engine flags: -tp, -pp and -q (`vllm serve MODEL -q ...`)."""
+    args = build_parser().parse_args(["serve", "-tp", "2", "-pp", "1", "-q", "int8"])
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.quantization) == \
+        (2, 1, "int8")
+
+
 def test_chat_template_kwargs_reach_the_template(llama_dir):
     llm = LLM(str(llama_dir))
     template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
