@@ -155,3 +155,22 @@ def test_linear_int8_nan_activation_makes_its_row_nan_and_spares_the_others(dtyp
     clean = [1, 3]
     reference = quantized_reference(x[clean], q, scale, bias)
     assert (got[clean].double() - reference).abs().max() < 1e-5 * reference.abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_int8_off_the_kernel_says_so_at_load(llama_dir, dtype, caplog):
+    """int8 on a model the kernel cannot take runs the portable path, which widens every
+    int8 weight at every call (a float32 Llama's steps took 2x to 6x as long as without int8):
+    the load says so, naming the dtype that sends it there."""
+    LLM(str(llama_dir), quantization="int8", dtype=dtype)
+    warned = [r.getMessage() for r in caplog.records if "portable path" in r.getMessage()]
+    assert len(warned) == 1 and f"runs in {dtype}" in warned[0]
+    caplog.clear()
+    LLM(str(llama_dir), dtype=dtype)
+    assert not any("portable path" in r.getMessage() for r in caplog.records)
+
+
+@needs_linear
+def test_int8_on_the_kernel_loads_without_a_warning(llama_dir, caplog):
+    LLM(str(llama_dir), quantization="int8", dtype="bfloat16")
+    assert not any("portable path" in r.getMessage() for r in caplog.records)

@@ -405,6 +405,8 @@ class DecoderForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.pack(quantization)
+        if any(m.qweight is not None for m in linears):
+            _warn_int8_portable(self.model.norm.weight)
         packed = [m for m in linears if m.packed is not None]
         slots = kernels.huge_page_tensors([(m.packed.shape, m.packed.dtype) for m in packed])
         for module, slot in zip(packed, slots):  # each old copy is freed as its slot fills
@@ -470,6 +472,24 @@ class DecoderForCausalLM(nn.Module):
                            "config.json ties them (tie_word_embeddings): the embeddings serve "
                            "as the LM head, as in vLLM (transformers 5 would use the stored "
                            "head); set tie_word_embeddings to false to use it")
+
+
+def _warn_int8_portable(like: torch.Tensor) -> None:
+    """int8 layers the kernel cannot take (`like`: a weight of the model's dtype and device)
+    widen their int8 weights to fp32 at every call: the decode steps of a float32 Llama of 16M
+    parameters took 2x to 6x as long as without int8 (float16: 2x), which is asked for to be
+    faster. Say so at load, and why."""
+    if like.device.type != "cpu" or like.dtype != torch.bfloat16:
+        why = (f"the model runs in {str(like.dtype).removeprefix('torch.')} on "
+               f"{like.device.type}; the int8 kernel takes bfloat16 on CPUs (dtype='bfloat16')")
+    elif not kernels.supports_linear(like.new_empty(0, 2)):
+        why = ("no int8 kernel runs here (it needs AVX2 and FMA or AVX512-VNNI, a C++ compiler "
+               "and FULCRUM_DISABLE_KERNELS unset)")
+    else:
+        why = "some layers have an odd input width, which the int8 kernel does not take"
+    logger.warning("quantization='int8' runs on the portable path: %s. Its layers widen their "
+                   "int8 weights to fp32 at every call, so steps may take several times as "
+                   "long as without quantization", why)
 
 
 # Non-persistent RoPE tables some checkpoints carry (vLLM skips the same names).
