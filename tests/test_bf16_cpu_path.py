@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fulcrum import LLM, SamplingParams, kernels
-from fulcrum.models.attention import CpuVarlenAttentionBackend
+from fulcrum.models.attention import CpuVarlenAttentionBackend, make_backend
 from fulcrum.default_model import write_byte_level_tokenizer
 
 pytestmark = pytest.mark.skipif(
@@ -68,3 +68,17 @@ def test_bf16_kernels_follow_float32_reference(head64_dir):
                                                               completion.logprobs)]
         reference = hf_token_logprobs(head64_dir, prompt, list(completion.token_ids))
         assert ours == pytest.approx(reference, abs=0.15)
+
+
+def test_a_block_size_that_keeps_bf16_off_its_kernels_is_named(caplog):
+    """bf16 at block_size=128 (vLLM's CPU default with IPEX) runs neither the varlen kernel nor
+    the one-call decoder stack, decode steps several times as long: the start says so, and
+    names 16; a float32 model, whose path the block size does not change, is not warned."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    backend = make_backend(cpu, bf16, bf16, 3, 64, 128)
+    assert not isinstance(backend, CpuVarlenAttentionBackend)
+    assert "block_size=128" in caplog.text and "block_size=16 runs them" in caplog.text
+    caplog.clear()
+    assert isinstance(make_backend(cpu, bf16, bf16, 3, 64, 16), CpuVarlenAttentionBackend)
+    make_backend(cpu, torch.float32, torch.float32, 3, 64, 128)
+    assert not caplog.records

@@ -162,11 +162,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+# The block size of the bf16 varlen attention kernel (paged_attention.cpp's kBlock).
+VARLEN_BLOCK_SIZE = 16
+
+
 def supports_varlen(dtype: torch.dtype, cache_dtype: torch.dtype, group_size: int,
                     head_dim: int, block_size: int) -> bool:
     """Whether `paged_varlen_attention` runs this case (bf16, 16-token blocks, head 64/128,
     a CPU with AVX512-BF16 or AVX2 and FMA)."""
-    return (dtype == cache_dtype == torch.bfloat16 and block_size == 16
+    return (dtype == cache_dtype == torch.bfloat16 and block_size == VARLEN_BLOCK_SIZE
             and head_dim in (64, 128) and group_size <= 32 and paged_attention() is not None
             and paged_attention().paged_varlen_attention_bf16_supported() == 1)
 
