@@ -1,8 +1,8 @@
 """The decoder stack in one native call (fulcrum/kernels/decoder_stack.cpp) computes what the
 Python layers compute, bit for bit: the same tokens and the same logprobs under chunked
 prefill beside decodes (the LM head in the same call, over the rows that sample), in bf16 and
-with int8 weights, with and without QKV bias; models it cannot run (per-head q/k norm) keep
-the Python layers."""
+with int8 weights, with and without QKV bias, with Qwen3's per-head q/k norm; models it cannot
+run (float32) keep the Python layers."""
 
 import time
 
@@ -45,7 +45,7 @@ def run(llm, native):
                                       for entry in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_native_stack_matches_the_python_layers(tmp_path, arch, quantization):
     llm = LLM(str(build(tmp_path / arch, arch)), dtype="bfloat16", quantization=quantization,
@@ -75,8 +75,6 @@ def test_timed_kernels_change_no_result_and_account_for_every_kind_that_ran(tmp_
 
 
 def test_models_it_cannot_run_keep_the_python_layers(tmp_path):
-    llm = LLM(str(build(tmp_path / "qwen3", "qwen3")), dtype="bfloat16")
-    assert llm.llm_engine.runner.model.model.native is None  # q/k RMSNorm per head
     assert LLM(str(build(tmp_path / "f32", "llama")), dtype="float32"
                ).llm_engine.runner.model.model.native is None
 

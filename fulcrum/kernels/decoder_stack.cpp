@@ -1,20 +1,21 @@
 // The whole decoder stack of one step in one native call (bf16 on CPU, the varlen attention
-// backend): the embedding lookup, then for every layer norm -> QKV -> RoPE -> KV write ->
-// attention -> O -> norm -> gate/up -> SiLU*up -> down, then the model's final norm, with the
-// residual adds fused into the norms, exactly as the Python layers do it and through the same
-// kernels (their entry points are handed in), so the results are the same bit for bit. What
-// it removes is the Python between the kernels: a decode step of a 30-layer model makes ~360
-// kernel calls, each with its own wrapper, allocation and ctypes crossing, which cost about as
-// much as streaming the weights at batch 1. The lookup and the final norm are here too
-// because any Python call next to the forward pass runs cold, the weights having just swept
-// the caches: one norm of one row then costs ~15x what it costs warm. Under tensor parallelism
-// (a rank's share of the layers and of the vocabulary), the partial sums of the embedding and
-// of the O and down projections are added across ranks by the all-reduce handed in (shared
-// memory, kernels/shm_collectives.cpp), as the Python layers do. On one rank the LM head can
-// end the call too (the rows that sample, into fp32 logits, and each row's argmax, greedy
-// sampling's token), for the same reason: their Python calls, after the stack has swept the
-// caches, cost ~0.2 ms and ~0.15 ms, 2% and 1.5% of a batch-1 decode step. Asked, it also
-// times each kind of kernel it calls (Step::kernel_seconds; benchmarks/stack_profile.py).
+// backend): the embedding lookup, then for every layer norm -> QKV -> (Qwen3's per-head
+// q/k norm ->) RoPE -> KV write -> attention -> O -> norm -> gate/up -> SiLU*up -> down, then the
+// model's final norm, with the residual adds fused into the norms, exactly as the Python layers do
+// it and through the same kernels (their entry points are handed in; the q/k norm's runs the
+// RMSNorm kernel's row code over the heads in place), so the results are the same bit for bit. What
+// it removes is the Python between the kernels: a decode step of a 30-layer model makes ~360 kernel
+// calls, each with its own wrapper, allocation and ctypes crossing, which cost about as much as
+// streaming the weights at batch 1. The lookup and the final norm are here too because any Python
+// call next to the forward pass runs cold, the weights having just swept the caches: one norm of
+// one row then costs ~15x what it costs warm. Under tensor parallelism (a rank's share of the
+// layers and of the vocabulary), the partial sums of the embedding and of the O and down
+// projections are added across ranks by the all-reduce handed in (shared memory,
+// kernels/shm_collectives.cpp), as the Python layers do. On one rank the LM head can end the call
+// too (the rows that sample, into fp32 logits, and each row's argmax, greedy sampling's token), for
+// the same reason: their Python calls, after the stack has swept the caches, cost ~0.2 ms and
+// ~0.15 ms, 2% and 1.5% of a batch-1 decode step. Asked, it also times each kind of kernel it calls
+// (Step::kernel_seconds; benchmarks/stack_profile.py).
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,7 @@ typedef int (*LinearInt8Fn)(const uint16_t*, int64_t, const int8_t*, const float
                             void*, int64_t, int, int, int, int, int);
 typedef int (*RmsNormFn)(const uint16_t*, int64_t, uint16_t*, const uint16_t*, uint16_t*,
                          int64_t, int, int, float, int);
+typedef int (*RmsNormHeadsFn)(uint16_t*, int64_t, const uint16_t*, int, int, int, float, int);
 typedef int (*SiluMulFn)(const uint16_t*, uint16_t*, int, int, int);
 typedef int (*RopeFn)(uint16_t*, int64_t, const int64_t*, const float*, const float*, int, int,
                       int, int);
@@ -47,6 +49,7 @@ struct Kernels {
   LinearFn linear;
   LinearInt8Fn linear_int8;
   RmsNormFn rms_norm;
+  RmsNormHeadsFn rms_norm_heads;
   SiluMulFn silu_mul;
   RopeFn rope;
   WriteKvFn write_kv;
@@ -68,6 +71,8 @@ struct Layer {
   const uint16_t* post_norm;
   uint16_t* k_cache;
   uint16_t* v_cache;
+  const uint16_t* q_norm;  // each query head's RMSNorm weight (Qwen3); null: none
+  const uint16_t* k_norm;  // each key head's; null: none
 };
 
 struct Dims {
@@ -167,6 +172,13 @@ int fulcrum_decoder_stack(const Kernels* kernels, const Layer* layers, const Dim
     status |= timed(s, kQkv, [&] {
       return project(k, layer.qkv, s.normed, T, H, qkv_size, s.qkv, threads);
     });
+    if (layer.q_norm)
+      status |= timed(s, kNorm, [&] {
+        return k.rms_norm_heads(s.qkv, qkv_size, layer.q_norm, T, d.num_heads, d.head_dim,
+                                d.eps, threads) |
+               k.rms_norm_heads(s.qkv + q_size, qkv_size, layer.k_norm, T, d.num_kv_heads,
+                                d.head_dim, d.eps, threads);
+      });
     // q and k heads side by side in each row: one rotation call for both
     status |= timed(s, kRope, [&] {
       return k.rope(s.qkv, qkv_size, s.positions, s.cos, s.sin, T,

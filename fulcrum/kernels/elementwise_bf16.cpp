@@ -19,6 +19,70 @@ using fulcrum::float_to_bf16;
 
 constexpr int kMaxWidth = 16384;
 
+// res (if not null) += in, then o = RMSNorm(res or in) * weight, for one row of `width`
+// values (at most kMaxWidth). o may alias in.
+inline void norm_row(const uint16_t* in, uint16_t* res, const uint16_t* weight, uint16_t* o,
+                     int width, float eps) {
+  float values[kMaxWidth];
+  float sum = 0.f;
+  int i = 0;
+#if defined(__AVX512BF16__)
+  __m512 squares = _mm512_setzero_ps();
+  for (; i < width; i += 16) {
+    const __mmask16 mask = fulcrum::tail_mask(i, width);
+    __m512 v = fulcrum::load_bf16(in + i, mask);
+    if (res) {
+      v = fulcrum::round_bf16(_mm512_add_ps(v, fulcrum::load_bf16(res + i, mask)));
+      fulcrum::store_bf16(res + i, v, mask);
+    }
+    _mm512_storeu_ps(values + i, v);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  sum = _mm512_reduce_add_ps(squares);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 squares = _mm256_setzero_ps();
+  for (; i + 8 <= width; i += 8) {
+    __m256 v = fulcrum::load_bf16x8(in + i);
+    if (res) {
+      v = fulcrum::round_bf16x8(_mm256_add_ps(v, fulcrum::load_bf16x8(res + i)));
+      fulcrum::store_bf16x8(res + i, v);
+    }
+    _mm256_storeu_ps(values + i, v);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  sum = fulcrum::sum_of(squares);
+#endif
+  for (; i < width; ++i) {
+    float v = bf16_to_float(in[i]);
+    if (res) {
+      res[i] = float_to_bf16(v + bf16_to_float(res[i]));
+      v = bf16_to_float(res[i]);
+    }
+    values[i] = v;
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / width + eps);
+  i = 0;
+#if defined(__AVX512BF16__)
+  for (; i < width; i += 16) {
+    const __mmask16 mask = fulcrum::tail_mask(i, width);
+    const __m512 normed = fulcrum::round_bf16(
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, values + i), _mm512_set1_ps(inv)));
+    fulcrum::store_bf16(o + i, _mm512_mul_ps(fulcrum::load_bf16(weight + i, mask), normed),
+                        mask);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= width; i += 8) {
+    const __m256 normed = fulcrum::round_bf16x8(
+        _mm256_mul_ps(_mm256_loadu_ps(values + i), _mm256_set1_ps(inv)));
+    fulcrum::store_bf16x8(o + i, _mm256_mul_ps(fulcrum::load_bf16x8(weight + i), normed));
+  }
+#endif
+  for (; i < width; ++i)
+    o[i] = float_to_bf16(bf16_to_float(weight[i]) *
+                         bf16_to_float(float_to_bf16(values[i] * inv)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -30,67 +94,24 @@ int fulcrum_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residua
                           int width, float eps, int num_threads) {
   if (width > kMaxWidth) return 1;
   fulcrum::for_rows(rows, num_threads, [&](int r) {
-    float values[kMaxWidth];
-    const uint16_t* in = x + r * x_stride;
-    uint16_t* res = residual ? residual + static_cast<int64_t>(r) * width : nullptr;
-    uint16_t* o = out + r * out_stride;
-    float sum = 0.f;
-    int i = 0;
-#if defined(__AVX512BF16__)
-    __m512 squares = _mm512_setzero_ps();
-    for (; i < width; i += 16) {
-      const __mmask16 mask = fulcrum::tail_mask(i, width);
-      __m512 v = fulcrum::load_bf16(in + i, mask);
-      if (res) {
-        v = fulcrum::round_bf16(_mm512_add_ps(v, fulcrum::load_bf16(res + i, mask)));
-        fulcrum::store_bf16(res + i, v, mask);
-      }
-      _mm512_storeu_ps(values + i, v);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    sum = _mm512_reduce_add_ps(squares);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 squares = _mm256_setzero_ps();
-    for (; i + 8 <= width; i += 8) {
-      __m256 v = fulcrum::load_bf16x8(in + i);
-      if (res) {
-        v = fulcrum::round_bf16x8(_mm256_add_ps(v, fulcrum::load_bf16x8(res + i)));
-        fulcrum::store_bf16x8(res + i, v);
-      }
-      _mm256_storeu_ps(values + i, v);
-      squares = _mm256_fmadd_ps(v, v, squares);
-    }
-    sum = fulcrum::sum_of(squares);
-#endif
-    for (; i < width; ++i) {
-      float v = bf16_to_float(in[i]);
-      if (res) {
-        res[i] = float_to_bf16(v + bf16_to_float(res[i]));
-        v = bf16_to_float(res[i]);
-      }
-      values[i] = v;
-      sum += v * v;
-    }
-    const float inv = 1.f / std::sqrt(sum / width + eps);
-    i = 0;
-#if defined(__AVX512BF16__)
-    for (; i < width; i += 16) {
-      const __mmask16 mask = fulcrum::tail_mask(i, width);
-      const __m512 normed = fulcrum::round_bf16(
-          _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, values + i), _mm512_set1_ps(inv)));
-      fulcrum::store_bf16(o + i, _mm512_mul_ps(fulcrum::load_bf16(weight + i, mask), normed),
-                          mask);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= width; i += 8) {
-      const __m256 normed = fulcrum::round_bf16x8(
-          _mm256_mul_ps(_mm256_loadu_ps(values + i), _mm256_set1_ps(inv)));
-      fulcrum::store_bf16x8(o + i, _mm256_mul_ps(fulcrum::load_bf16x8(weight + i), normed));
-    }
-#endif
-    for (; i < width; ++i)
-      o[i] = float_to_bf16(bf16_to_float(weight[i]) *
-                           bf16_to_float(float_to_bf16(values[i] * inv)));
+    norm_row(x + r * x_stride,
+             residual ? residual + static_cast<int64_t>(r) * width : nullptr, weight,
+             out + r * out_stride, width, eps);
+  });
+  return 0;
+}
+
+// RMSNorm(head) * weight in place for each of `heads` heads of `head_dim` values, side by side
+// in each of `tokens` rows `token_stride` apart (Qwen3's q or k norm, in the fused QKV output):
+// the rows RMSNorm computes are not evenly spaced there, so they are found here, one call for
+// all of them. Each head's numbers are fulcrum_rms_norm_bf16's on the same values.
+int fulcrum_rms_norm_heads_bf16(uint16_t* x, int64_t token_stride, const uint16_t* weight,
+                                int tokens, int heads, int head_dim, float eps,
+                                int num_threads) {
+  if (head_dim > kMaxWidth) return 1;
+  fulcrum::for_rows(tokens * heads, num_threads, [&](int r) {
+    uint16_t* head = x + (r / heads) * token_stride + static_cast<int64_t>(r % heads) * head_dim;
+    norm_row(head, nullptr, weight, head, head_dim, eps);
   });
   return 0;
 }

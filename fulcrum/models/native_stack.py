@@ -1,7 +1,7 @@
 """The decoder stack of a step in one native call (fulcrum/kernels/decoder_stack.cpp).
 
 Used where every piece has its native kernel: bf16 on a CPU with AVX512-BF16 or AVX2, the
-varlen attention backend, packed linear layers (bf16 or int8) and no per-head q/k norm. It runs the
+varlen attention backend and packed linear layers (bf16 or int8). It runs the
 same kernels in the same order as the Python layers, so its outputs are the same bit for bit;
 what it saves is the Python between ~12 kernel calls a layer (and around the embedding lookup
 and the final norm), which at batch 1 costs about as much as reading the weights.
@@ -22,7 +22,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("linear", "linear_int8", "rms_norm", "silu_mul", "rope",
+    _fields_ = [(name, _P) for name in ("linear", "linear_int8", "rms_norm", "rms_norm_heads",
+                                        "silu_mul", "rope",
                                         "write_kv", "attention", "all_reduce",
                                         "all_reduce_group", "argmax")]
 
@@ -34,7 +35,7 @@ class _Projection(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection),
                 ("down", _Projection), ("input_norm", _P), ("post_norm", _P),
-                ("k_cache", _P), ("v_cache", _P)]
+                ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P)]
 
 
 class _Dims(ctypes.Structure):
@@ -55,9 +56,9 @@ class _Step(ctypes.Structure):
 
 
 # The kinds of kernel `NativeStack.kernel_seconds` splits the time into (decoder_stack.cpp's
-# KernelKind): the norms (input, post-attention and final), the projections, RoPE, the KV
-# write, attention, the all-reduces under tensor parallelism, SiLU * up, and the LM head with
-# its argmax.
+# KernelKind): the norms (input, post-attention and final; Qwen3's q/k norms), the
+# projections, RoPE, the KV write, attention, the all-reduces under tensor parallelism,
+# SiLU * up, and the LM head with its argmax.
 KERNEL_KINDS = ("rms_norm", "qkv_proj", "rope", "write_kv", "attention", "o_proj",
                 "all_reduce", "gate_up_proj", "silu_mul", "down_proj", "lm_head")
 
@@ -81,6 +82,13 @@ def _projection(linear: Any) -> _Projection:
                        None if linear.packed_bias is None else linear.packed_bias.data_ptr())
 
 
+def _head_norms(attention: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The q and k heads' RMSNorm weights (Qwen3), or None for both."""
+    if attention.q_norm is None:
+        return None, None
+    return attention.q_norm.weight.data_ptr(), attention.k_norm.weight.data_ptr()
+
+
 class NativeStack:
     """`model`'s layers as one native call; build with `NativeStack.for_model`."""
 
@@ -96,6 +104,7 @@ class NativeStack:
         self.kernels = _Kernels(
             _entry(linear, "fulcrum_linear_bf16"), _entry(linear, "fulcrum_linear_int8"),
             _entry(elementwise, "fulcrum_rms_norm_bf16"),
+            _entry(elementwise, "fulcrum_rms_norm_heads_bf16"),
             _entry(elementwise, "fulcrum_silu_mul_bf16"), _entry(elementwise, "fulcrum_rope_bf16"),
             _entry(attention, "paged_write_kv_bf16"),
             _entry(attention, "paged_varlen_attention_bf16"), *(all_reduce or (None, None)),
@@ -144,7 +153,6 @@ class NativeStack:
             layer.mlp.down_proj)]
         if (not isinstance(backend, CpuVarlenAttentionBackend) or not kernels.has_elementwise()
                 or any(m.packed is None for m in linears)
-                or any(layer.self_attn.q_norm is not None for layer in layers)
                 or model.norm.weight.dtype != torch.bfloat16
                 or model.embed_tokens.weight.dtype != torch.bfloat16
                 or not model.embed_tokens.weight.is_contiguous()):
@@ -171,7 +179,8 @@ class NativeStack:
                        _projection(layer.mlp.gate_up_proj), _projection(layer.mlp.down_proj),
                        layer.input_layernorm.weight.data_ptr(),
                        layer.post_attention_layernorm.weight.data_ptr(),
-                       cache[0].data_ptr(), cache[1].data_ptr())
+                       cache[0].data_ptr(), cache[1].data_ptr(),
+                       *_head_norms(layer.self_attn))
                 for layer, cache in zip(self.model.layers, kv_caches)])
         return self._layers
 
