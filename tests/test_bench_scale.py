@@ -56,6 +56,9 @@ def test_summary_states_each_ratio():
     text = "\n".join(summary(data, Path("/r/scale.json"), Path("/docs")))
     assert "two ranks, 8 cores each, against one rank on all 16 cores." in text
     assert "so on 16 cores it is slower" in text
+    data["setup"]["cores"] = 2  # 2 of the machine's 16 given to the run (taskset, a cpuset)
+    text = "\n".join(summary(data, Path("/r/scale.json"), Path("/docs")))
+    assert "two ranks, 1 core each, against one rank on all 2 cores." in text
     assert "TTFT x0.90" in text
     assert "total tokens/s x0.95" in text
     assert "prefix-cache hit rate 0.50 vs 0.80" in text

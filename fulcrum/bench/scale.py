@@ -31,6 +31,7 @@ from fulcrum.bench.metrics import ALL, report_by_group
 from fulcrum.bench.report import (_fmt, free_port, fulcrum_command, machine_facts,
                                   running_server)
 from fulcrum.bench.shapes import shape_dir
+from fulcrum.distributed.launch import DriverPin
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "scale"
 PARTS = ("tp", "dp", "routing")
@@ -163,7 +164,10 @@ def _medians(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
 def run_scale(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"setup": {"machine": machine_facts(), "repeats": args.repeats, "quick": args.quick,
+    # The cores this run may use, which each server's ranks or replicas split (a machine's
+    # count says nothing of a taskset or a container's cpuset).
+    data = {"setup": {"machine": machine_facts(), "cores": len(DriverPin.process_cores()),
+                      "repeats": args.repeats, "quick": args.quick,
                       "routing": dict(zip(("prefixes", "per_prefix", "prefix_len"),
                                           routing_shape(args.quick)),
                                       ending_len=ENDING_LEN, concurrency=CONCURRENCY),
@@ -230,7 +234,7 @@ def summary(data: Dict[str, Any], json_path: Path, page_dir: Path) -> List[str]:
              f"Servers alternating, {setup['repeats']} runs each, medians; each server fresh "
              f"and alone on the machine; [raw]({os.path.relpath(json_path, page_dir)}); "
              "`fulcrum bench scale --repeats 2` regenerates it (`--parts tp` one part)."]
-    cores = setup["machine"]["cores"]
+    cores = setup.get("cores", setup["machine"]["cores"])  # (older runs: the machine's)
     if "tp" in parts:
         tp = parts["tp"]
         slower = _ratio(tp, "batch 8", "tpot_ms") > 1
