@@ -425,6 +425,35 @@ def test_aging_never_lets_a_worse_priority_preempt_a_better_one():
     assert sim.all["high"].metrics.num_preemptions == 0
 
 
+def test_admission_preempts_the_worst_request_it_may_preempt():
+    """The victim weighed for a newcomer is the worst running request it may preempt. The
+    worst by aged key was v (priority 1, as good as the newcomer's, so not to be preempted),
+    and the newcomer gave up though w (priority 3) was there to preempt. `aged` (priority
+    5) is shielded by its long wait: `fresh` goes instead."""
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=2, scheduling_policy="priority")
+    sim.add("w", 6, max_tokens=200, priority=3)
+    sim.now += 2 * PRIORITY_AGING_S  # waited 20 s: key 1
+    sim.step()
+    sim.add("v", 6, max_tokens=200, priority=1)
+    sim.step()
+    sim.add("newcomer", 6, max_tokens=2, priority=1)
+    sim.now += PRIORITY_AGING_S + 1  # key 0
+    out = sim.step()
+    assert out.preempted_request_ids == ["w"] and chunk_of(out, "newcomer") is not None
+    sim.run()
+
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=2, scheduling_policy="priority")
+    sim.add("aged", 6, max_tokens=50, priority=5)
+    sim.now += 5 * PRIORITY_AGING_S  # waited 50 s: key 0, shielded from priority 1
+    sim.step()
+    sim.add("fresh", 6, max_tokens=50, priority=3)
+    sim.step()
+    sim.add("newcomer", 6, max_tokens=2, priority=1)
+    out = sim.step()
+    assert out.preempted_request_ids == ["fresh"] and chunk_of(out, "newcomer") is not None
+    sim.run()
+
+
 def test_a_preempted_request_ages_while_it_waits_again():
     sim = Sim(max_num_batched_tokens=64, max_num_seqs=1, scheduling_policy="priority")
     low = sim.add("low", 6, max_tokens=50, priority=2)

@@ -232,8 +232,8 @@ class Scheduler:
             has_seat = len(self.running) - len(victims) < self.config.max_num_seqs
             if has_seat and self.kv.can_allocate(request, num_new, computed, victims):
                 break
-            victim = self._victim(excluding=victims)
-            if victim is None or not self.policy.may_preempt_for(request, victim):
+            victim = self._victim(excluding=victims, admitting=request)
+            if victim is None:
                 return False
             victims.append(victim)
         if victims:
@@ -290,9 +290,17 @@ class Scheduler:
                 return False
         return True
 
-    def _victim(self, excluding: Sequence[Request] = ()) -> Optional[Request]:
-        return max((r for r in self.running if r not in excluding), key=self.policy.key,
-                   default=None)
+    def _victim(self, excluding: Sequence[Request] = (),
+                admitting: Optional[Request] = None) -> Optional[Request]:
+        """The running request to preempt next, the last in the policy's order; with
+        `admitting`, the last that the policy lets that request preempt (the last of all may
+        be one it may not, of its own priority, say, where another is fair game)."""
+        policy = self.policy
+        if admitting is not None and not policy.preempts_for_seats:
+            return None
+        return max((r for r in self.running if r not in excluding and (
+            admitting is None or policy.may_preempt_for(admitting, r))),
+            key=policy.key, default=None)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         shared = self.kv.uncomputed_shared_blocks(request)

@@ -185,7 +185,9 @@ class PriorityPolicy(SchedulingPolicy):
     preemption) lowers a request's value by one, so a request of any priority is served
     within a bounded time however many better ones keep coming. Time running does not count:
     a request running for minutes keeps the priority it was admitted with, so a better one
-    arriving still preempts it, and is not preempted in its stead, as in vLLM."""
+    arriving still preempts it, and is not preempted in its stead, as in vLLM. When blocks
+    run out mid-decode the victim is the last by `key`, aging included: a request admitted
+    after a long wait may then keep its blocks while a better, fresher one gives way."""
 
     name = "priority"
     preempts_for_seats = True
