@@ -99,6 +99,8 @@ def test_continuous_usage_stats_come_with_include_usage(client):
     # vLLM's StreamOptions: include_usage is true unless the client says otherwise.
     assert usages(continuous_usage_stats=True) == [1, 2, 3, 3]
     assert usages() == [None, None, None, 3]
+    # Null, which vLLM's Optional fields take, asks for none.
+    assert usages(include_usage=None, continuous_usage_stats=None) == [None, None, None]
 
 
 def test_continuous_usage_counts_each_choice_and_its_prompt(client, server):

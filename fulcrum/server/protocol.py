@@ -37,10 +37,11 @@ class RequestBody(BaseModel):
 
 class StreamOptions(BaseModel):
     """A stream's usage: vLLM's defaults, so stream_options given without include_usage
-    (`{"continuous_usage_stats": true}` alone, say) still asks for it, as it does there."""
+    (`{"continuous_usage_stats": true}` alone, say) still asks for it, as it does there; a
+    null (vLLM's fields are Optional) asks for none."""
 
-    include_usage: bool = True
-    continuous_usage_stats: bool = False
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
 
 
 # vLLM's older per-kind fields of structured outputs -> the StructuredOutputsParams field.
