@@ -339,6 +339,23 @@ def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
             [o.outputs[0].token_ids for o in reference]
 
 
+def test_a_terminals_ctrl_c_reaching_the_ranks_too_leaves_the_engine_running(model_dirs):
+    """A terminal sends Ctrl-C to its whole foreground process group, the ranks included:
+    a rank it ended stopped the engine for good (a server exited 1 instead of draining)."""
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    try:
+        reference = _generate(llm)
+        (process,) = llm.llm_engine.executor._procs
+        os.kill(process.pid, signal.SIGINT)
+        process.join(2)
+        assert process.is_alive()
+        again = _generate(llm)
+        assert [o.outputs[0].token_ids for o in again] == \
+            [o.outputs[0].token_ids for o in reference]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_second_ctrl_c_interrupts_a_stuck_step_and_stops_the_engine(model_dirs):
     """A step waiting on a rank that hangs (up to the 60 s collective timeout) must still
     yield to the user: the second Ctrl-C lands at once, and the ranks being out of step,

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -26,7 +27,13 @@ def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
              cores: Optional[Sequence[int]],
              last_words: multiprocessing.connection.Connection) -> None:
     """A spawned rank's whole life: pin, join the group, build its share, follow. If it
-    fails, the error goes to the driver through `last_words` (its traceback to stderr)."""
+    fails, the error goes to the driver through `last_words` (its traceback to stderr).
+
+    A terminal's Ctrl-C goes to its whole foreground process group, the ranks included: a
+    rank it ended stopped the engine for good (the server exited 1 mid-drain, LLM failed
+    every later call). Ranks ignore it: the driver takes it after the step and stops them
+    (or they end once it is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if cores:
             pin_to_cores(cores)
