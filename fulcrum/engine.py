@@ -27,7 +27,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.generation_config import load_generation_defaults
 from fulcrum.executor import ExecutorError, make_executor
-from fulcrum.worker.model_loader import load_hf_config, resolve_dtype
+from fulcrum.worker.model_loader import check_weights_fit_in_ram, load_hf_config, resolve_dtype
 from fulcrum.models import model_class
 from fulcrum.models.sharding import Shard
 from fulcrum.worker.model_runner import ModelRunner, StepResult
@@ -105,6 +105,8 @@ class LLMEngine:
                                else resolve_dtype(config.kv_cache_dtype, hf_config))
         Shard(0, self.config.tensor_parallel_size, spec)  # refuses a split before any rank starts
         self.vocab_size = spec.vocab_size
+        if self.device.type == "cpu" and self.config.distributed_executor_backend in ("uni", "mp"):
+            check_weights_fit_in_ram(hf_config, self.dtype)  # every rank is on this machine
         self.executor = make_executor(WorkerConfig(
             self.config, model_dir, load_format, hf_config, self.dtype, self.kv_cache_dtype,
             self.device.type))

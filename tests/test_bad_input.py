@@ -243,6 +243,21 @@ def test_a_kv_cache_larger_than_the_ram_is_refused_before_it_is_allocated(llama_
         LLM(str(llama_dir), kv_cache_memory_bytes=10**15)
 
 
+def test_a_model_larger_than_the_ram_is_refused_before_its_weights_are_allocated(tmp_path):
+    """Its pages were committed as it loaded, until the OOM killer ended the process (exit
+    137, no message); here one MLP matrix alone is 275 GB."""
+    from fulcrum.default_model import ensure_config_folder
+
+    folder = ensure_config_folder(tmp_path / "huge", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 1 << 24, "num_hidden_layers": 1, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": VOCAB, "max_position_embeddings": 512,
+        "bos_token_id": 256, "eos_token_id": 258})
+    with pytest.raises(ValueError, match=r"the model's weights take 768\.\d GiB in float32, "
+                                         r"more than the .* GiB of RAM available"):
+        LLM(folder, load_format="dummy", dtype="float32")
+
+
 def test_none_switches_take_their_default_as_in_vllm():
     config = EngineConfig(enable_prefix_caching=None, enable_chunked_prefill=None)
     assert config.enable_prefix_caching is True and config.enable_chunked_prefill is True

@@ -13,6 +13,7 @@ from fulcrum.json_files import read_json_object
 from fulcrum.models.attention import AttentionBackend
 from fulcrum.models import model_class
 from fulcrum.models.layers import STACKED_PARAMS, DecoderForCausalLM, MergedLinear
+from fulcrum.worker.kv_cache import available_cpu_memory
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup
@@ -133,6 +134,28 @@ def dummy_weights(model: DecoderForCausalLM, seed: int) -> Iterator[Tuple[str, t
         prefix, fused = module_name.rsplit(".", 1)
         for part, piece in zip(_UNFUSED[fused], values.split(module.output_sizes)):
             yield f"{prefix}.{part}.{kind}", piece
+
+
+def weight_bytes(hf_config: Dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes the whole model's weights take in `dtype` (counted on the meta device: nothing
+    is allocated)."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(cls.spec_from_config(hf_config), None)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def check_weights_fit_in_ram(hf_config: Dict[str, Any], dtype: torch.dtype) -> None:
+    """Refuse, before any weight is allocated, a model larger than the RAM available: its
+    pages are committed as the weights load, and one that does not fit got the process
+    killed by the kernel's OOM killer (exit 137, no message) after minutes of loading."""
+    needed, available = weight_bytes(hf_config, dtype), available_cpu_memory()
+    if needed > available:
+        raise ValueError(f"the model's weights take {needed / 2**30:.1f} GiB in "
+                         f"{str(dtype).replace('torch.', '')}, more than the "
+                         f"{available / 2**30:.1f} GiB of RAM available: load it in a "
+                         "smaller dtype (bfloat16's weights take half of float32's), or free "
+                         "memory")
 
 
 def load_model(model_dir: str, hf_config: Dict[str, Any], dtype: torch.dtype,
