@@ -197,6 +197,8 @@ class LLM:
     def _run(self, request_ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
         engine = self.llm_engine
         finished: Dict[str, RequestOutput] = {}
+        # The first step may also report requests an interrupted call left aborted.
+        wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
@@ -204,7 +206,7 @@ class LLM:
                 outputs = engine.step()
                 self._record(outputs)
                 for output in outputs:
-                    if output.finished:
+                    if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
         except BaseException:

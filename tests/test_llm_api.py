@@ -228,6 +228,30 @@ def test_generate_with_tqdm(llm, capsys):
     assert [tokens(o) for o in quiet] == [tokens(o) for o in outputs]
 
 
+def test_after_an_interrupted_generate_the_next_bar_counts_its_own_prompts(llm, capsys,
+                                                                          monkeypatch):
+    """The requests a Ctrl-C aborted report their abort in the next call's first step: the
+    next bar counted them as its own ("9it" for one prompt)."""
+    engine, step = llm.llm_engine, llm.llm_engine.step
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a"] * 8, greedy(50), use_tqdm=False)
+    monkeypatch.undo()
+    capsys.readouterr()
+    (output,) = llm.generate(["b"], greedy(3), use_tqdm=True)
+    assert len(tokens(output)) == 3
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "1/1 [" in bar, bar
+
+
 def test_generate_from_two_threads_at_once(llm):
     """The second call waits for the first: two threads stepping one engine at once took
     each other's outputs, and neither call returned (its requests and blocks held for good)."""
