@@ -50,14 +50,29 @@ def configure_logging(args: argparse.Namespace) -> None:
     logging.getLogger("fulcrum").setLevel(log_level(args))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args)
+class CommandError(RuntimeError):
+    """A command failed for a reason its message tells in full (a data-parallel replica that
+    did not start, say): shown as one line, exit status 1, without a traceback."""
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command: its exit status, a bad setting (ValueError, FileNotFoundError,
+    TypeError) as one line and status 2 (argparse's for usage errors), a CommandError as
+    one line and status 1."""
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"fulcrum {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except CommandError as error:
+        print(f"fulcrum {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":

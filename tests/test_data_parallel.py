@@ -163,6 +163,24 @@ def test_replicas_draw_unseeded_samples_from_streams_of_their_own(llama_dir):
     assert seeded_and_greedy[0] == seeded_and_greedy[1]
 
 
+def test_replicas_that_fail_to_start_end_the_server_with_one_line_each(tmp_path):
+    """Each replica's bad setting and the router's own failure were tracebacks (90 lines for
+    a missing model folder); they are one line each, as a single server's is."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fulcrum", "serve", str(tmp_path / "missing"),
+                           "-dp", "2", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert re.fullmatch(r"fulcrum serve: error: data-parallel replica \d failed to start "
+                        r"\(exit code 2\); see its log above", lines[-1])
+    assert all(re.match(r"fulcrum serve: error: model folder '.*missing' does not exist", line)
+               for line in lines[:-1]) and lines[:-1]
+
+
 def test_routing_text_and_prefix_tree():
     assert routing_text("/v1/completions", b'{"prompt": "abc"}') == "abc"
     assert routing_text("/v1/completions", b'{"prompt": ["x", "y"]}') == "x"

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, List, Optional, Sequence
 
 import httpx
 
+from fulcrum.cli import CommandError
 from fulcrum.distributed.launch import free_port, pin_to_cores, split_cores
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,9 @@ def replica_args(args: argparse.Namespace, index: int, host: str, port: int,
 
 def run_replica(args: argparse.Namespace) -> int:
     """A replica's whole life (in its own process): pin, then serve until stopped, or until
-    the router's process is gone (a replica never outlives its router)."""
-    from fulcrum.cli import configure_logging
-    from fulcrum.server.cli import run
+    the router's process is gone (a replica never outlives its router). Its exit status is
+    `fulcrum serve`'s: a bad setting is one line of error, not a traceback."""
+    from fulcrum.cli import configure_logging, run_command
 
     configure_logging(args)  # a spawned process starts without the router's
     if args.cores:
@@ -53,14 +55,15 @@ def run_replica(args: argparse.Namespace) -> int:
     parent = os.getppid()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
                      name="fulcrum-replica-watch").start()
-    return run(args)
+    return run_command(args)
 
 
-def _run_process_replica(args: argparse.Namespace) -> int:
+def _run_process_replica(args: argparse.Namespace) -> None:
     """A spawned replica, in a session of its own: a terminal's Ctrl-C (sent to its whole
-    process group) reaches the router alone, which drains before it stops the replicas."""
+    process group) reaches the router alone, which drains before it stops the replicas.
+    It exits with the server's status (a process target's return value is dropped)."""
     os.setsid()
-    return run_replica(args)
+    sys.exit(run_replica(args))
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -207,7 +210,7 @@ def _wait_ready(replica: Replica) -> None:
     while time.monotonic() < deadline:
         ended = replica.process_error()
         if ended is not None:
-            raise RuntimeError(f"data-parallel replica {replica.index} failed to start "
+            raise CommandError(f"data-parallel replica {replica.index} failed to start "
                                f"({ended}); see its log above")
         try:
             if httpx.get(f"{replica.url}/health", timeout=2.0).status_code == 200:
@@ -216,5 +219,5 @@ def _wait_ready(replica: Replica) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"data-parallel replica {replica.index} did not start within "
+    raise CommandError(f"data-parallel replica {replica.index} did not start within "
                        f"{START_TIMEOUT_S:.0f} s")
