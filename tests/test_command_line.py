@@ -99,6 +99,17 @@ def test_server_options_are_checked_before_the_model_loads(monkeypatch, capsys, 
     assert "cannot listen on nohost.invalid:8000" in capsys.readouterr().err
 
 
+def test_a_port_another_server_holds_while_its_model_loads_is_refused():
+    """Bound but not yet listening, a port was taken a second time (SO_REUSEADDR): the
+    second server loaded its model, then served nothing while it said it ran."""
+    from fulcrum.server.api_server import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port} .*in use"):
+            listening_socket("127.0.0.1", port)
+
+
 def test_serve_raises_the_open_file_limit():
     import resource
 

@@ -357,15 +357,20 @@ class GracefulServer(uvicorn.Server):
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (IPv4 or IPv6, as the host resolves), for uvicorn to
-    listen on. `fulcrum serve` binds it before the model loads, so a bad --host or a port in
-    use fails at once, as in vLLM."""
+    """A socket listening on host:port (IPv4 or IPv6, as the host resolves), for uvicorn to
+    serve on. `fulcrum serve` opens it before the model loads, so a bad --host or a port in
+    use fails at once, as in vLLM. It listens at once, not only bound: two sockets with
+    SO_REUSEADDR may both be bound while neither listens, so a second server started while
+    the first loaded took the port too, loaded its model, then served nothing (uvloop
+    drops the failed listen) while saying it ran. Meanwhile connections wait in the backlog
+    and are answered once the server is up."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen()
     except OSError as error:
         raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {error}") from None
     return sock
