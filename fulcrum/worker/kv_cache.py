@@ -3,9 +3,10 @@
 On CUDA, `gpu_memory_utilization` is vLLM's: the fraction of the device's memory fulcrum
 may use in all; the KV cache gets what is left of it after the weights and activations.
 On CPU there is no device memory to share, so it means the fraction of the RAM available
-when the engine starts (after the weights are loaded) that the KV cache may take, capped
-at `CPU_KV_CACHE_CAP_BYTES` (4 GiB, as vLLM's CPU backend defaults to) and at what
-`max_num_seqs` requests of `max_model_len` tokens could ever use. `kv_cache_memory_bytes`
+when the engine starts (after the weights are loaded; within a container's memory limit,
+see memory.py) that the KV cache may take, capped at `CPU_KV_CACHE_CAP_BYTES` (4 GiB, as
+vLLM's CPU backend defaults to) and at what `max_num_seqs` requests of `max_model_len`
+tokens could ever use. `kv_cache_memory_bytes`
 sets the size exactly and overrides both.
 
 Layouts (see attention.py): keys [blocks, kv_heads, head_dim, block_size], values
@@ -18,7 +19,6 @@ entries point at it.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
@@ -28,6 +28,7 @@ from fulcrum.models.attention import AttentionBackend
 from fulcrum.config import EngineConfig
 from fulcrum.models.layers import KVCache
 from fulcrum.models.spec import DecoderSpec
+from fulcrum.worker.memory import available_cpu_memory
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup
@@ -41,17 +42,6 @@ NULL_BLOCK = 0
 def bytes_per_block(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-
-def available_cpu_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:

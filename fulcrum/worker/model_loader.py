@@ -13,7 +13,7 @@ from fulcrum.json_files import read_json_object
 from fulcrum.models.attention import AttentionBackend
 from fulcrum.models import model_class
 from fulcrum.models.layers import STACKED_PARAMS, DecoderForCausalLM, MergedLinear
-from fulcrum.worker.kv_cache import available_cpu_memory
+from fulcrum.worker.memory import available_cpu_memory
 
 if TYPE_CHECKING:
     from fulcrum.distributed.group import ParallelGroup
