@@ -339,6 +339,22 @@ def test_ctrl_c_during_a_step_lands_after_it_and_the_engine_goes_on(model_dirs):
             [o.outputs[0].token_ids for o in reference]
 
 
+def test_ranks_on_one_machine_share_the_kv_fraction_of_its_ram(model_dirs):
+    """Each rank sized its cache from the same available RAM before any had allocated, so
+    together they took the fraction asked for once per rank (a small machine's OOM killer)."""
+    from fulcrum.worker.memory import available_cpu_memory
+
+    asked = 8 << 20  # bytes in all, far below what max_num_seqs requests could ever use
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, dtype="float32",
+              gpu_memory_utilization=asked / available_cpu_memory())
+    try:
+        per_block = 2 * 2 * 16 * 1 * 16 * 4  # K and V, layers, block size, a KV head, fp32
+        in_all = 2 * llm.llm_engine.executor.num_blocks * per_block
+        assert asked * 0.75 < in_all < asked * 1.25
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_terminals_ctrl_c_reaching_the_ranks_too_leaves_the_engine_running(model_dirs):
     """A terminal sends Ctrl-C to its whole foreground process group, the ranks included:
     a rank it ended stopped the engine for good (a server exited 1 instead of draining)."""

@@ -41,6 +41,7 @@ class ParallelGroup:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.same_host = same_host  # every rank on this machine, sharing its RAM
         _join(store, f"{prefix}/joined", rank, world_size, gone, timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         options = dist.ProcessGroupGloo._Options()

@@ -44,7 +44,15 @@ def bytes_per_block(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> i
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
-def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+def ranks_sharing_ram(group: Optional["ParallelGroup"]) -> int:
+    """How many ranks, this one included, size and allocate their caches from this
+    machine's RAM at the same time (each before any has allocated)."""
+    return group.world_size if group is not None and group.same_host else 1
+
+
+def kv_cache_bytes(config: EngineConfig, device: torch.device, sharing: int = 1) -> int:
+    """This rank's cache size; on CPU, its share of the fraction of the RAM available, which
+    `sharing` ranks on this machine divide (each took it all: together, a multiple of it)."""
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes
     if device.type == "cuda":
@@ -52,7 +60,7 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
         used = total - free
         # Leave room for activations of a full-budget step (a rough, conservative 10%).
         return int(total * config.gpu_memory_utilization - used - 0.1 * total)
-    budget = int(available_cpu_memory() * config.gpu_memory_utilization)
+    budget = int(available_cpu_memory() * config.gpu_memory_utilization) // sharing
     return min(budget, CPU_KV_CACHE_CAP_BYTES)
 
 
@@ -60,16 +68,18 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
                   device: torch.device, group: Optional["ParallelGroup"] = None) -> int:
     """Blocks for the cache, the null block included; with a tensor-parallel `group`, the
     fewest that fit on any of its ranks (one block table serves them all)."""
+    sharing = ranks_sharing_ram(group)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     else:
-        num_blocks = kv_cache_bytes(config, device) // bytes_per_block(
+        num_blocks = kv_cache_bytes(config, device, sharing) // bytes_per_block(
             spec, config.block_size, dtype)
         if config.kv_cache_memory_bytes is None:
             most_ever_used = config.max_num_seqs * -(-config.max_model_len // config.block_size)
             num_blocks = min(num_blocks, most_ever_used + 1)
     if device.type == "cpu":
-        _check_fits_in_ram(num_blocks, num_blocks * bytes_per_block(spec, config.block_size, dtype))
+        _check_fits_in_ram(num_blocks, num_blocks * bytes_per_block(spec, config.block_size, dtype),
+                           sharing)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     usable = num_blocks - 1
@@ -89,14 +99,16 @@ def num_kv_blocks(config: EngineConfig, spec: DecoderSpec, dtype: torch.dtype,
     return num_blocks
 
 
-def _check_fits_in_ram(num_blocks: int, nbytes: int) -> None:
+def _check_fits_in_ram(num_blocks: int, nbytes: int, sharing: int = 1) -> None:
     """The cache is zeroed (committed) at once: one larger than the RAM available would get
-    the process killed, or fail deep in an allocation."""
+    the process killed, or fail deep in an allocation. `nbytes` is this rank's share, which
+    each of the `sharing` ranks on this machine allocates."""
     available = available_cpu_memory()
-    if nbytes > available:
-        raise ValueError(f"a KV cache of {num_blocks} blocks would take {nbytes / 2**30:.1f} GiB, "
-                         f"more than the {available / 2**30:.1f} GiB of RAM available: lower "
-                         "kv_cache_memory_bytes or num_gpu_blocks_override")
+    if nbytes * sharing > available:
+        ranks = f" on each of {sharing} ranks" if sharing > 1 else ""
+        raise ValueError(f"a KV cache of {num_blocks} blocks would take {nbytes / 2**30:.1f} GiB"
+                         f"{ranks}, more than the {available / 2**30:.1f} GiB of RAM available: "
+                         "lower kv_cache_memory_bytes or num_gpu_blocks_override")
 
 
 def allocate_kv_caches(spec: DecoderSpec, num_blocks: int, block_size: int,
