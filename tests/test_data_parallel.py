@@ -181,6 +181,30 @@ def test_replicas_that_fail_to_start_end_the_server_with_one_line_each(tmp_path)
                for line in lines[:-1]) and lines[:-1]
 
 
+def test_replicas_on_one_machine_share_the_kv_fraction_of_its_ram(monkeypatch):
+    """Each replica sized its cache from the same available RAM at once: together they took
+    --gpu-memory-utilization once per replica (2.2 GiB for 5% of 22 GiB with two)."""
+    from types import SimpleNamespace
+
+    from fulcrum.server import replicas as replicas_module
+
+    started = []
+
+    class Recorded:
+        def __init__(self, target, name, args):
+            started.append(args[0])
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(replicas_module.multiprocessing, "get_context",
+                        lambda method: SimpleNamespace(Process=Recorded))
+    args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.6"])
+    replicas_module._start_processes(args, 3)
+    assert [a.gpu_memory_utilization for a in started] == [pytest.approx(0.2)] * 3
+    assert args.gpu_memory_utilization == 0.6
+
+
 def test_routing_text_and_prefix_tree():
     assert routing_text("/v1/completions", b'{"prompt": "abc"}') == "abc"
     assert routing_text("/v1/completions", b'{"prompt": ["x", "y"]}') == "x"

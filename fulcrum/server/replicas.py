@@ -154,14 +154,24 @@ def start_replicas(args: argparse.Namespace, count: int, backend: str) -> Replic
     return replicas
 
 
+def sharing_this_machine(args: argparse.Namespace, count: int) -> argparse.Namespace:
+    """The arguments of `count` replicas on this machine: they size their KV caches from its
+    memory at the same time, so the --gpu-memory-utilization fraction is for all of them
+    together (each took it whole: together, `count` times what was asked)."""
+    shared = copy.copy(args)
+    shared.gpu_memory_utilization = args.gpu_memory_utilization / count
+    return shared
+
+
 def _start_processes(args: argparse.Namespace, count: int) -> ReplicaSet:
     context = multiprocessing.get_context("spawn")
+    shared = sharing_this_machine(args, count)
     replicas = []
     for index, cores in enumerate(split_cores(count)):
         port = free_port()
         # Not a daemon: a replica may start processes of its own (tensor-parallel ranks).
         process = context.Process(target=_run_process_replica, name=f"fulcrum-dp-replica{index}",
-                                  args=(replica_args(args, index, "127.0.0.1", port, cores),))
+                                  args=(replica_args(shared, index, "127.0.0.1", port, cores),))
         process.start()
         replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
     return ReplicaSet(replicas)
