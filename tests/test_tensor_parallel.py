@@ -355,21 +355,26 @@ def test_ranks_on_one_machine_share_the_kv_fraction_of_its_ram(model_dirs):
         llm.llm_engine.shutdown()
 
 
-def test_a_terminals_ctrl_c_reaching_the_ranks_too_leaves_the_engine_running(model_dirs):
-    """A terminal sends Ctrl-C to its whole foreground process group, the ranks included:
-    a rank it ended stopped the engine for good (a server exited 1 instead of draining)."""
+def test_signals_for_the_whole_group_leave_the_ranks_to_the_driver(model_dirs):
+    """A terminal sends Ctrl-C to its whole foreground process group, and systemd's stop
+    SIGTERM to every process of the service, the ranks included: a rank either ended
+    stopped the engine for good (a server exited 1 instead of draining). The driver still
+    ends them at shutdown."""
     llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **KW)
+    (process,) = llm.llm_engine.executor._procs
     try:
         reference = _generate(llm)
-        (process,) = llm.llm_engine.executor._procs
-        os.kill(process.pid, signal.SIGINT)
-        process.join(2)
-        assert process.is_alive()
-        again = _generate(llm)
-        assert [o.outputs[0].token_ids for o in again] == \
-            [o.outputs[0].token_ids for o in reference]
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(process.pid, signum)
+            process.join(2)
+            assert process.is_alive()
+            again = _generate(llm)
+            assert [o.outputs[0].token_ids for o in again] == \
+                [o.outputs[0].token_ids for o in reference]
     finally:
         llm.llm_engine.shutdown()
+    process.join(30)
+    assert not process.is_alive()
 
 
 def test_a_second_ctrl_c_interrupts_a_stuck_step_and_stops_the_engine(model_dirs):

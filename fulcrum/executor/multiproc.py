@@ -29,11 +29,13 @@ def run_rank(wc: WorkerConfig, rank: int, world_size: int, port: int,
     """A spawned rank's whole life: pin, join the group, build its share, follow. If it
     fails, the error goes to the driver through `last_words` (its traceback to stderr).
 
-    A terminal's Ctrl-C goes to its whole foreground process group, the ranks included: a
-    rank it ended stopped the engine for good (the server exited 1 mid-drain, LLM failed
-    every later call). Ranks ignore it: the driver takes it after the step and stops them
-    (or they end once it is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    A terminal's Ctrl-C goes to its whole foreground process group, the ranks included, and
+    systemd's stop sends SIGTERM to every process of the service: a rank either ended
+    stopped the engine for good (the server exited 1 mid-drain, LLM failed every later
+    call). Ranks ignore both: the driver takes them (a server drains), then stops the ranks
+    (`_stop`), or they end once it is gone."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         if cores:
             pin_to_cores(cores)
@@ -134,8 +136,9 @@ def _abort_when_one_ends(procs: List[multiprocessing.Process], group: ParallelGr
 
 
 def _stop(procs: List[multiprocessing.Process], grace_s: float) -> None:
+    """Wait up to `grace_s` for each rank to end, then kill it (ranks ignore SIGTERM)."""
     for process in procs:
         process.join(grace_s if process.is_alive() else 0)
         if process.is_alive():
-            process.terminate()
+            process.kill()
             process.join(STOP_TIMEOUT_S)
