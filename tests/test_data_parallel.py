@@ -163,22 +163,30 @@ def test_replicas_draw_unseeded_samples_from_streams_of_their_own(llama_dir):
     assert seeded_and_greedy[0] == seeded_and_greedy[1]
 
 
-def test_replicas_that_fail_to_start_end_the_server_with_one_line_each(tmp_path):
+def test_replicas_that_fail_to_start_end_the_server_with_one_line_each(llama_dir, tmp_path):
     """Each replica's bad setting and the router's own failure were tracebacks (90 lines for
     a missing model folder); they are one line each, as a single server's is."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "fulcrum", "serve", str(tmp_path / "missing"),
-                           "-dp", "2", "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=240)
+    def serve(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fulcrum", "serve", *flags, "-dp", "2",
+                               "--port", str(free_port())],
+                              capture_output=True, text=True, timeout=240)
+
+    done = serve(str(llama_dir), "--kv-cache-memory-bytes", "1000")
     assert done.returncode == 1
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert re.fullmatch(r"fulcrum serve: error: data-parallel replica \d failed to start "
-                        r"\(exit code 2\); see its log above", lines[-1])
-    assert all(re.match(r"fulcrum serve: error: model folder '.*missing' does not exist", line)
-               for line in lines[:-1]) and lines[:-1]
+                        r"\(exit code 2\); see its log above", errors[-1])
+    assert errors[:-1] and all(line.startswith("fulcrum serve: error: the KV cache holds 0 "
+                                               "tokens") for line in errors[:-1])
+    # A folder that is not there is the router's own finding, before any replica starts.
+    done = serve(str(tmp_path / "missing"))
+    assert done.returncode == 2
+    assert re.fullmatch(r"fulcrum serve: error: model folder '.*missing' does not exist .*\n",
+                        done.stderr)
 
 
 def test_replicas_on_one_machine_share_the_kv_fraction_of_its_ram(monkeypatch):
@@ -203,6 +211,28 @@ def test_replicas_on_one_machine_share_the_kv_fraction_of_its_ram(monkeypatch):
     replicas_module._start_processes(args, 3)
     assert [a.gpu_memory_utilization for a in started] == [pytest.approx(0.2)] * 3
     assert args.gpu_memory_utilization == 0.6
+
+
+def test_replicas_whose_weights_do_not_fit_together_are_refused_before_any_starts(
+        monkeypatch, tmp_path):
+    """Each replica checked its own copy against RAM the others had not taken yet: three
+    copies of a model a third of the RAM's size each passed, and the OOM killer ended some."""
+    import torch
+
+    from fulcrum.default_model import CONFIG, ensure_config_folder
+    from fulcrum.server import replicas as replicas_module
+    from fulcrum.worker import model_loader
+
+    folder = ensure_config_folder(tmp_path / "model", CONFIG)
+    one = model_loader.weight_bytes(model_loader.load_hf_config(folder), torch.float32)
+    monkeypatch.setattr(model_loader, "available_cpu_memory", lambda: 3 * one - 1)
+    monkeypatch.setattr(replicas_module.multiprocessing, "get_context",
+                        lambda method: pytest.fail("a replica started"))
+    args = build_parser().parse_args(["serve", folder, "--dtype", "float32"])
+    with pytest.raises(ValueError, match=r"\(3 copies, one per data-parallel replica\), more "
+                                         r"than the .* GiB of RAM available"):
+        replicas_module._start_processes(args, 3)
+    replicas_module.check_copies_fit(args, 2)  # two fit
 
 
 def test_routing_text_and_prefix_tree():

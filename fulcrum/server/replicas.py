@@ -163,7 +163,24 @@ def sharing_this_machine(args: argparse.Namespace, count: int) -> argparse.Names
     return shared
 
 
+def check_copies_fit(args: argparse.Namespace, count: int) -> None:
+    """Refuse, before any replica starts, `count` copies of the weights that this machine's
+    RAM cannot hold on CPU: the replicas load them at the same time, each checking its own
+    copy against RAM the others have not taken yet (then the OOM killer ended some)."""
+    from fulcrum.default_model import default_model_dir
+    from fulcrum.engine import resolve_device
+    from fulcrum.worker.model_loader import check_weights_fit_in_ram, load_hf_config, \
+        resolve_dtype
+
+    if resolve_device(args.device).type != "cpu" or \
+            args.distributed_executor_backend in ("ray", "external_launcher"):
+        return  # ranks elsewhere than this machine's RAM
+    hf_config = load_hf_config(args.model or default_model_dir())
+    check_weights_fit_in_ram(hf_config, resolve_dtype(args.dtype, hf_config), count)
+
+
 def _start_processes(args: argparse.Namespace, count: int) -> ReplicaSet:
+    check_copies_fit(args, count)
     context = multiprocessing.get_context("spawn")
     shared = sharing_this_machine(args, count)
     replicas = []

@@ -145,14 +145,17 @@ def weight_bytes(hf_config: Dict[str, Any], dtype: torch.dtype) -> int:
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
-def check_weights_fit_in_ram(hf_config: Dict[str, Any], dtype: torch.dtype) -> None:
+def check_weights_fit_in_ram(hf_config: Dict[str, Any], dtype: torch.dtype,
+                             copies: int = 1) -> None:
     """Refuse, before any weight is allocated, a model larger than the RAM available: its
     pages are committed as the weights load, and one that does not fit got the process
-    killed by the kernel's OOM killer (exit 137, no message) after minutes of loading."""
-    needed, available = weight_bytes(hf_config, dtype), available_cpu_memory()
+    killed by the kernel's OOM killer (exit 137, no message) after minutes of loading.
+    `copies`: data-parallel replicas on this machine, which load theirs at the same time."""
+    needed, available = copies * weight_bytes(hf_config, dtype), available_cpu_memory()
     if needed > available:
+        each = f" ({copies} copies, one per data-parallel replica)" if copies > 1 else ""
         raise ValueError(f"the model's weights take {needed / 2**30:.1f} GiB in "
-                         f"{str(dtype).replace('torch.', '')}, more than the "
+                         f"{str(dtype).replace('torch.', '')}{each}, more than the "
                          f"{available / 2**30:.1f} GiB of RAM available: load it in a "
                          "smaller dtype (bfloat16's weights take half of float32's), or free "
                          "memory")
