@@ -130,6 +130,9 @@ class LLMEngine:
             self._profile_step_time()
         self.slo_defaults = self._resolve_slo_defaults()
         self.scheduler.policy.expect_arrivals(self.slo_defaults)
+        # When it could first take requests (time.monotonic()): rates over a recent window
+        # (the dashboard's throughput) cover no time before it.
+        self.ready_time = time.monotonic()
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":

@@ -257,3 +257,29 @@ def test_the_demos_dashboard_refuses_in_the_apis_error_shape():
         assert client.get("/nowhere").json()["error"]["code"] == 404
         invalid = client.get("/dashboard/state", params={"since": "abc"})
         assert invalid.status_code == 400 and "since" in invalid.json()["error"]["message"]
+
+
+def _step(step: int, start_time: float, prefill: int, decode: int):
+    from fulcrum.stats import StepStats
+
+    return StepStats(step, start_time, 0.1, 0.1, 0.1, prefill, decode, 0, 0, 0, 0, 0, 64, 0.0,
+                     0, 0)
+
+
+def test_throughput_spreads_a_burst_over_its_window():
+    """One 200-token prompt after an idle spell is 20 tokens/s over the card's 10 s (it read
+    1121 tokens/s: the tokens over the time since their own step began); an engine younger
+    than the window counts its own age."""
+    from types import SimpleNamespace
+
+    from fulcrum.server.dashboard import THROUGHPUT_WINDOW_S, DashboardFeed
+
+    now = 1000.0
+    steps = [_step(0, now - 0.2, 200, 0), _step(1, now - 0.1, 0, 1)]
+    for ready, expected in ((now - 60.0, 201 / THROUGHPUT_WINDOW_S), (now - 4.0, 201 / 4.0)):
+        feed = DashboardFeed(SimpleNamespace(stats=steps, ready_time=ready), "m")
+        throughput = feed._throughput(now)
+        assert throughput["tokens_per_s"] == pytest.approx(expected)
+        assert throughput["prefill_per_s"] == pytest.approx(expected * 200 / 201)
+    idle = DashboardFeed(SimpleNamespace(stats=steps, ready_time=now - 60.0), "m")
+    assert idle._throughput(now + THROUGHPUT_WINDOW_S)["tokens_per_s"] == 0.0
