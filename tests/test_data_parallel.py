@@ -394,3 +394,14 @@ def test_replicas_as_ray_actors(stories_dir):
     finally:
         replicas.stop()
     assert not ray.is_initialized()  # the local Ray started for the replicas is stopped
+
+
+def test_the_dashboard_names_the_one_replica_it_shows(dp_server):
+    """Its numbers are the first replica's alone: the state says which, of how many, for the
+    page to say so (it passed one replica's load for the server's)."""
+    server, _ = dp_server
+    state = httpx.get(f"{server.url}/dashboard/state", timeout=30)
+    assert state.status_code == 200
+    assert state.json()["data_parallel"] == {"engine": 0, "size": 2}
+    assert "queues" in state.json() and "steps" in state.json()
+    assert httpx.get(f"{server.url}/dashboard/state", params={"since": "x"}).status_code == 400

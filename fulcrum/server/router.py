@@ -257,12 +257,19 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
         metrics.requests.labels(engine=str(replica.index)).inc()
         return answer
 
+    async def first_in_service(request: Request) -> Tuple[Response, Replica]:
+        return await _forward_to_one(client, routing,
+                                     lambda refused: routing.in_service(refused)[0],
+                                     request, await request.body())
+
+    @app.get("/dashboard/state")
+    async def dashboard_state(request: Request) -> Response:
+        answer, replica = await first_in_service(request)
+        return _name_the_replica(answer, replica, len(replicas))
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def anything_else(path: str, request: Request) -> Response:
-        # The first replica in service answers (the dashboard's polls see one engine).
-        answer, _ = await _forward_to_one(client, routing,
-                                          lambda refused: routing.in_service(refused)[0],
-                                          request, await request.body())
+        answer, _ = await first_in_service(request)
         return answer
 
     app.add_middleware(DrainGate, is_draining=lambda: app.state.draining)
@@ -272,6 +279,17 @@ def build_router_app(replicas: List[Replica], policy: str = "cache_aware",
     if request_id_headers:
         app.add_middleware(RequestIdHeader)
     return app
+
+
+def _name_the_replica(answer: Response, replica: Replica, replicas: int) -> Response:
+    """A replica's dashboard state with `data_parallel` added: which replica it shows, of how
+    many. The page then says that its numbers are that replica's alone (it showed half of
+    the server's load as the whole with -dp 2); /metrics has every replica's."""
+    if answer.status_code != 200:
+        return answer
+    state = json.loads(answer.body)
+    state["data_parallel"] = {"engine": replica.index, "size": replicas}
+    return JSONResponse(state)
 
 
 class _ClientLeft(Exception):

@@ -269,7 +269,9 @@ function update(state) {
                kv: 100 * state.kv.usage, hits: 100 * (state.kv.prefix_cache_hit_rate || 0) });
   polls = polls.slice(-HISTORY);
   const config = state.config;
-  $("model-name").textContent = `${config.model} · ${config.policy} policy · budget ${config.max_num_batched_tokens} tokens`;
+  // Behind a data-parallel router: one replica's numbers, which must not pass for the server's.
+  const replica = state.data_parallel ? ` · replica ${state.data_parallel.engine} of ${state.data_parallel.size} (its numbers alone; /metrics has all)` : "";
+  $("model-name").textContent = `${config.model} · ${config.policy} policy · budget ${config.max_num_batched_tokens} tokens${replica}`;
   $("q-running").textContent = state.queues.running;
   $("q-waiting").textContent = state.queues.waiting;
   $("q-preempted").textContent = state.queues.preempted;
