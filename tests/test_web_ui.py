@@ -131,6 +131,44 @@ def test_chat_streams_a_reply_with_its_timings(server, driver):
     assert all(url.startswith(server.url) for url in requested_urls(driver))
 
 
+# A chat stream the page is given instead of the server's: (ms after the request, event).
+# Three tokens, the last an EOS, which streams no text: its event only finishes the reply.
+EOS_ENDED_STREAM = [(0, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}),
+                    (100, {"choices": [{"delta": {"content": "a"}}]}),
+                    (200, {"choices": [{"delta": {"content": "b"}}]}),
+                    (400, {"choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]}),
+                    (400, {"choices": [], "usage": {"completion_tokens": 3}})]
+
+
+@needs_browser
+def test_a_replys_tpot_ends_at_its_last_token_even_without_text(server, driver):
+    """TPOT is (last token - first token) / (tokens - 1); the last token's event may carry no
+    text (an EOS). The page ended at the last text: 50 ms here instead of 150."""
+    from selenium.webdriver.common.by import By
+
+    type_message(driver, server.url, 24, "hello")
+    driver.execute_script("""
+        const events = arguments[0], real = window.fetch;
+        window.fetch = (path, options) => {
+          if (!String(path).endsWith('/v1/chat/completions')) return real(path, options);
+          const encoder = new TextEncoder();
+          const body = new ReadableStream({ start(controller) {
+            for (const [at, event] of events)
+              setTimeout(() => controller.enqueue(encoder.encode(
+                'data: ' + JSON.stringify(event) + '\\n\\n')), at);
+            setTimeout(() => { controller.enqueue(encoder.encode('data: [DONE]\\n\\n'));
+                               controller.close(); }, 450);
+          } });
+          return Promise.resolve(new Response(body, { status: 200,
+            headers: { 'Content-Type': 'text/event-stream' } }));
+        };""", EOS_ENDED_STREAM)
+    driver.find_element(By.ID, "send").click()
+    stats = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".message.assistant .reply-stats"))
+    match = re.fullmatch(r"TTFT \d+ ms · TPOT ([\d.]+) ms · [\d.]+ tokens/s · 3 tokens",
+                         stats[-1].text)
+    assert match and 120 <= float(match.group(1)) <= 250, stats[-1].text
+
+
 @needs_browser
 def test_a_reasoning_models_thinking_is_shown_apart(llama_dir, driver):
     """With --reasoning-parser deepseek_r1 a (random) answer without </think> is all thinking:

@@ -185,11 +185,14 @@ async function send() {
       if (event.usage) usage = event.usage;
       const delta = event.choices?.[0]?.delta || {};
       const thought = delta.reasoning ?? delta.reasoning_content;
-      if (delta.content || thought) {
+      // The finishing event is the last token's even without text (EOS, a stop string):
+      // TPOT ending at the last text missed a gap and read half the server's on short replies.
+      const finished = Boolean(event.choices?.[0]?.finish_reason);
+      if (delta.content || thought || finished) {
         const now = performance.now();
         if (first === null) first = now;
         last = now;
-        chunks += 1;
+        if (delta.content || thought) chunks += 1;
       }
       if (thought) {
         if (thinking === null) {
