@@ -557,7 +557,8 @@ class LLMEngine:
             self.recent_finished.append(FinishedRequest(
                 metrics.finished_time or time.monotonic(), metrics.time_to_first_token,
                 (last - first) / (count - 1) if count > 1 and first and last else None,
-                request.num_prompt_tokens, count, metrics.slo.ttft_s, metrics.slo.tpot_s))
+                request.num_prompt_tokens, count, metrics.slo.ttft_s, metrics.slo.tpot_s,
+                metrics.num_cached_tokens))
 
     def _record_stats(self, scheduled, start_wall: float, wall: float, predicted: float) -> None:
         sched = self.scheduler.stats()

@@ -61,3 +61,4 @@ class FinishedRequest:
     num_output_tokens: int
     slo_ttft_s: float
     slo_tpot_s: float
+    num_cached_tokens: int  # prompt tokens found in the prefix cache when first scheduled

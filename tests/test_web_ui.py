@@ -321,3 +321,30 @@ def test_throughput_spreads_a_burst_over_its_window():
         assert throughput["prefill_per_s"] == pytest.approx(expected * 200 / 201)
     idle = DashboardFeed(SimpleNamespace(stats=steps, ready_time=now - 60.0), "m")
     assert idle._throughput(now + THROUGHPUT_WINDOW_S)["tokens_per_s"] == 0.0
+
+
+def test_prefix_hits_are_those_of_the_recent_requests(server, monkeypatch):
+    """The card's share is of the prompt tokens of requests finished within the window: the
+    server's lifetime share (here 48 of 384 tokens, 12%, while the last two prompts found
+    48 of 128, 38%) hardly moves once a server has run a while."""
+    import random
+
+    from fulcrum.server import dashboard
+
+    monkeypatch.setattr(dashboard, "WINDOW_S", 1.5)
+    rng = random.Random(8)
+
+    def complete(prompt):
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"prompt": prompt, "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+
+    for _ in range(4):  # unseen prompts: no hits
+        complete([rng.randrange(300) for _ in range(64)])
+    time.sleep(1.6)
+    repeated = [rng.randrange(300) for _ in range(64)]
+    complete(repeated)
+    complete(repeated)  # finds 3 blocks of 16 (one token is always computed)
+    state = httpx.get(server.url + "/dashboard/state").json()
+    assert state["latency"]["finished"] == 2
+    assert state["kv"]["prefix_cache_hit_rate"] == pytest.approx(48 / 128)

@@ -3,10 +3,11 @@
 `/` serves the page: static files shipped in the package (no CDN, no build step, charts
 drawn on canvas by the page's own code). `GET /dashboard/state?since=STEP` is its data: the
 engine's steps after STEP (prefill and decode tokens against the budget, predicted and
-actual time, queues, KV use), the queues and the KV cache now, TTFT and TPOT percentiles and
-SLO attainment over a sliding window, throughput, and the requests in flight. It is read
-only when polled, from what the engine keeps anyway (`engine.stats`, one record a step, and
-`engine.recent_finished`), so a server that nobody watches pays nothing for it.
+actual time, queues, KV use), the queues and the KV cache now, TTFT and TPOT percentiles,
+SLO attainment and the prefix cache's hit rate over a sliding window, throughput, and the
+requests in flight. It is read only when polled, from what the engine keeps anyway
+(`engine.stats`, one record a step, and `engine.recent_finished`), so a server that nobody
+watches pays nothing for it.
 `POST /dashboard/load` fires a small built-in load: one long prompt among short ones, the
 case where chunked prefill protects the short requests.
 
@@ -68,6 +69,8 @@ class DashboardFeed:
             raise APIError(503, "no engine is running yet")
         steps = {s.step: s for s in _tail(engine.stats, lambda s: s.step > since, MAX_STEPS)}
         sched = engine.scheduler.stats()
+        done = _tail(engine.recent_finished, lambda r: r.finished_time >= now - WINDOW_S,
+                     len(engine.recent_finished))
         return {
             "time": now,
             "run": id(engine),
@@ -78,9 +81,8 @@ class DashboardFeed:
                        "preemptions_total": sched.num_preemptions_total},
             "kv": {"usage": sched.kv_cache_usage, "blocks_used": sched.kv_blocks_used,
                    "blocks_total": sched.kv_blocks_total,
-                   "prefix_cache_hit_rate": (sched.prefix_cache_hits / sched.prefix_cache_queries
-                                             if sched.prefix_cache_queries else None)},
-            "latency": self._latency(now),
+                   "prefix_cache_hit_rate": self._hit_rate(done)},
+            "latency": self._latency(done),
             "throughput": self._throughput(now),
             "requests": self._requests(now),
         }
@@ -99,9 +101,18 @@ class DashboardFeed:
                 "predicted_ms": 1e3 * s.predicted_seconds, "running": s.num_running,
                 "waiting": s.num_waiting, "kv_usage": s.kv_cache_usage}
 
-    def _latency(self, now: float) -> Dict[str, Any]:
-        done = _tail(self.engine.recent_finished,
-                     lambda r: r.finished_time >= now - WINDOW_S, len(self.engine.recent_finished))
+    def _hit_rate(self, done: List[Any]) -> Optional[float]:
+        """Share of the prompt tokens of the requests finished in the window that were found
+        in the prefix cache (None without a prefix cache, or with no such request): a live
+        view, as vLLM's log line reads recent requests. The lifetime share it was hardly moved
+        once a server had run a while, whatever its prompts did now."""
+        prompt_tokens = sum(r.num_prompt_tokens for r in done)
+        if not (self.engine.config.enable_prefix_caching and prompt_tokens):
+            return None
+        return sum(r.num_cached_tokens for r in done) / prompt_tokens
+
+    @staticmethod
+    def _latency(done: List[Any]) -> Dict[str, Any]:
         ttft = [r.ttft_s for r in done if r.ttft_s is not None]
         tpot = [r.tpot_s for r in done if r.tpot_s is not None]
         met = [(r.ttft_s is not None and r.ttft_s <= r.slo_ttft_s)
