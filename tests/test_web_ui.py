@@ -297,10 +297,10 @@ def test_the_demos_dashboard_refuses_in_the_apis_error_shape():
         assert invalid.status_code == 400 and "since" in invalid.json()["error"]["message"]
 
 
-def _step(step: int, start_time: float, prefill: int, decode: int):
+def _step(step: int, start_time: float, prefill: int, decode: int, wall: float = 0.1):
     from fulcrum.stats import StepStats
 
-    return StepStats(step, start_time, 0.1, 0.1, 0.1, prefill, decode, 0, 0, 0, 0, 0, 64, 0.0,
+    return StepStats(step, start_time, wall, wall, wall, prefill, decode, 0, 0, 0, 0, 0, 64, 0.0,
                      0, 0)
 
 
@@ -320,7 +320,7 @@ def test_throughput_spreads_a_burst_over_its_window():
         assert throughput["tokens_per_s"] == pytest.approx(expected)
         assert throughput["prefill_per_s"] == pytest.approx(expected * 200 / 201)
     idle = DashboardFeed(SimpleNamespace(stats=steps, ready_time=now - 60.0), "m")
-    assert idle._throughput(now + THROUGHPUT_WINDOW_S)["tokens_per_s"] == 0.0
+    assert idle._throughput(now + THROUGHPUT_WINDOW_S + 0.5)["tokens_per_s"] == 0.0
 
 
 def test_prefix_hits_are_those_of_the_recent_requests(server, monkeypatch):
@@ -348,3 +348,22 @@ def test_prefix_hits_are_those_of_the_recent_requests(server, monkeypatch):
     state = httpx.get(server.url + "/dashboard/state").json()
     assert state["latency"]["finished"] == 2
     assert state["kv"]["prefix_cache_hit_rate"] == pytest.approx(48 / 128)
+
+
+def test_throughput_counts_steps_that_ended_in_its_window(monkeypatch):
+    """A step counts when its tokens are out: a 12 s prefill that just ended is in the last
+    10 s (it never counted, having started before them); past the steps it reads, the rate
+    is over those read."""
+    from types import SimpleNamespace
+
+    from fulcrum.server import dashboard
+
+    now = 1000.0
+    engine = SimpleNamespace(stats=[_step(0, now - 12.1, 512, 0, wall=12.0)],
+                             ready_time=now - 60.0)
+    assert dashboard.DashboardFeed(engine, "m")._throughput(now)["tokens_per_s"] == \
+        pytest.approx(512 / dashboard.THROUGHPUT_WINDOW_S)
+    monkeypatch.setattr(dashboard, "MAX_WINDOW_STEPS", 2)
+    engine.stats = [_step(i, now - 3.1 + i, 0, 10, wall=0.9) for i in range(3)]  # end each s
+    assert dashboard.DashboardFeed(engine, "m")._throughput(now)["tokens_per_s"] == \
+        pytest.approx(20 / 2.1)  # since the first read began

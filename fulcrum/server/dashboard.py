@@ -35,6 +35,7 @@ MAX_STEPS = 600  # steps one poll returns (the page shows fewer)
 MAX_REQUESTS = 50  # rows of the in-flight table
 WINDOW_S = 60.0  # latency percentiles and SLO attainment over this many seconds
 THROUGHPUT_WINDOW_S = 10.0
+MAX_WINDOW_STEPS = 10 * MAX_STEPS  # steps a throughput reads at most
 
 
 def _tail(records: Any, keep: Callable[[Any], bool], limit: int) -> List[Any]:
@@ -126,12 +127,16 @@ class DashboardFeed:
         """Tokens computed per second over the last THROUGHPUT_WINDOW_S seconds, or over the
         engine's life while it is younger: a burst after an idle spell is spread over the
         window, not over the time since its own first step (which showed one 200-token
-        prompt as 1100 tokens/s)."""
-        steps = _tail(self.engine.stats, lambda s: s.start_time >= now - THROUGHPUT_WINDOW_S,
-                      MAX_STEPS * 10)
+        prompt as 1100 tokens/s). A step counts once it ended in the window (one longer
+        than the window never counted); past MAX_WINDOW_STEPS steps, over the time since the
+        first one read began."""
+        start = max(now - THROUGHPUT_WINDOW_S, self.engine.ready_time)
+        steps = _tail(self.engine.stats, lambda s: s.start_time + s.wall_seconds >= start,
+                      MAX_WINDOW_STEPS)
         if not steps:
             return {"tokens_per_s": 0.0, "prefill_per_s": 0.0, "decode_per_s": 0.0}
-        start = max(now - THROUGHPUT_WINDOW_S, self.engine.ready_time)
+        if len(steps) == MAX_WINDOW_STEPS:
+            start = steps[0].start_time
         span = max(now - start, 1e-3)
         prefill = sum(s.num_prefill_tokens for s in steps)
         decode = sum(s.num_decode_tokens for s in steps)
