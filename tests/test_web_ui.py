@@ -250,6 +250,26 @@ def test_the_page_asks_for_the_api_key(llama_dir, driver):
                  and "policy" in driver.find_element(By.ID, "model-name").text)
 
 
+@needs_browser
+def test_a_cancelled_key_dialog_stays_closed(llama_dir, driver):
+    """Cancel means no key for now: the dashboard's polls, refused each second, opened the
+    dialog again each time. The key button still asks, and the saved key is used."""
+    from selenium.webdriver.common.by import By
+
+    with running_server(llama_dir, app_kwargs={"api_key": "sesame"}) as (server, _):
+        fresh_page(driver, server.url)
+        dialog = driver.find_element(By.ID, "key-dialog")
+        wait_for(lambda: dialog.is_displayed())
+        driver.find_element(By.ID, "key-cancel").click()
+        driver.find_element(By.ID, "tab-dashboard").click()
+        time.sleep(2.5)  # two polls, both refused
+        assert not dialog.is_displayed()
+        driver.find_element(By.ID, "key-button").click()
+        driver.find_element(By.ID, "key-input").send_keys("sesame")
+        driver.find_element(By.ID, "key-save").click()
+        wait_for(lambda: "policy" in driver.find_element(By.ID, "model-name").text)
+
+
 def test_state_endpoint_and_switch(server, llama_dir):
     before = httpx.get(server.url + "/dashboard/state").json()
     for _ in range(3):

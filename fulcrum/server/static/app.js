@@ -10,6 +10,9 @@ const store = {
 
 // ------------------------------------------------------------------ API access
 let keyWaiters = [];
+// Cancelled: refusals ask no more (the dashboard's poll re-opened it every second) until a
+// key is saved from the "API key" button.
+let keyDeclined = false;
 
 function askForKey() {
   $("key-dialog").classList.remove("hidden");
@@ -18,6 +21,7 @@ function askForKey() {
 }
 
 function closeKeyDialog(saved) {
+  keyDeclined = !saved;
   $("key-dialog").classList.add("hidden");
   keyWaiters.forEach((resolve) => resolve(saved));
   keyWaiters = [];
@@ -28,7 +32,7 @@ async function api(path, options = {}, retry = true) {
   const key = store.get("apiKey", "");
   if (key) headers["Authorization"] = "Bearer " + key;
   const response = await fetch(path, Object.assign({}, options, { headers }));
-  if (response.status === 401 && retry && (await askForKey())) return api(path, options, false);
+  if (response.status === 401 && retry && !keyDeclined && (await askForKey())) return api(path, options, false);
   return response;
 }
 
