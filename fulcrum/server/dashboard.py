@@ -105,8 +105,8 @@ class DashboardFeed:
     def _hit_rate(self, done: List[Any]) -> Optional[float]:
         """Share of the prompt tokens of the requests finished in the window that were found
         in the prefix cache (None without a prefix cache, or with no such request): a live
-        view, as vLLM's log line reads recent requests. The lifetime share it was hardly moved
-        once a server had run a while, whatever its prompts did now."""
+        view, as vLLM's log line reads recent requests (the server's lifetime share hardly
+        moves once it has run a while, whatever its prompts do now)."""
         prompt_tokens = sum(r.num_prompt_tokens for r in done)
         if not (self.engine.config.enable_prefix_caching and prompt_tokens):
             return None

@@ -190,7 +190,7 @@ async function send() {
       const delta = event.choices?.[0]?.delta || {};
       const thought = delta.reasoning ?? delta.reasoning_content;
       // The finishing event is the last token's even without text (EOS, a stop string):
-      // TPOT ending at the last text missed a gap and read half the server's on short replies.
+      // a TPOT ending at the last text misses a gap and reads low on short replies.
       const finished = Boolean(event.choices?.[0]?.finish_reason);
       if (delta.content || thought || finished) {
         const now = performance.now();
