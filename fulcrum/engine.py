@@ -25,7 +25,7 @@ import torch
 from fulcrum.core.block_manager import BlockManager
 from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
-from fulcrum.generation_config import load_generation_defaults
+from fulcrum.generation_config import generation_config_folder, load_generation_defaults
 from fulcrum.executor import ExecutorError, make_executor
 from fulcrum.worker.model_loader import check_weights_fit_in_ram, load_hf_config, resolve_dtype
 from fulcrum.models import model_class
@@ -98,7 +98,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
-        self.tokenizer = Tokenizer(config.tokenizer or model_dir)
+        self.tokenizer = Tokenizer(config.tokenizer or model_dir,
+                                   generation_config_folder(config.generation_config, model_dir))
         # Sampling defaults of the model's own (for fields a request leaves unset).
         self.generation_defaults = load_generation_defaults(config.generation_config, model_dir)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"

@@ -19,12 +19,19 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+def generation_config_folder(source: str, model_dir: Optional[str]) -> Optional[str]:
+    """The folder whose generation config `source` names: the model's for "auto" and
+    "vllm" (which ignores its sampling defaults, not the eos ids it lists: vLLM stops on
+    those either way), else the folder given."""
+    return model_dir if source in ("auto", "vllm") else source
+
+
 def load_generation_defaults(source: str, model_dir: Optional[str]) -> Dict[str, Any]:
     """SamplingParams fields from the generation config that `source` names ("auto": the
     model folder's, if it has one; "vllm": none; else a folder holding the file)."""
     if source == "vllm":
         return {}
-    folder = model_dir if source == "auto" else source
+    folder = generation_config_folder(source, model_dir)
     path = Path(folder) / "generation_config.json" if folder else None
     if path is None or not path.is_file():
         if source == "auto":

@@ -69,7 +69,10 @@ def _token_content(value: Any) -> Optional[str]:
 
 
 class Tokenizer:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, model_dir: Optional[str] = None) -> None:
+        """The tokenizer in folder `path`. The eos ids generation stops on are the tokenizer's
+        EOS and those `model_dir`'s generation_config.json (else config.json) lists, as
+        vLLM reads them from the model's folder, not the tokenizer's (default: `path`)."""
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -85,7 +88,7 @@ class Tokenizer:
         self.eos_token = self.special_tokens.get("eos_token")
         # One template, or several by name ("default", "tool_use", ...), as transformers has it.
         self.chat_template = find_chat_templates(folder, config)
-        self.eos_token_ids = self._find_eos_ids(folder)
+        self.eos_token_ids = self._find_eos_ids(Path(model_dir) if model_dir else folder)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # No token stands for more characters than its own string has (byte-level and
         # byte-fallback pieces spell a byte with one or more characters).

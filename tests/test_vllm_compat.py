@@ -49,6 +49,27 @@ def test_generation_config_sources(tuned_dir, tmp_path):
         load_generation_defaults(str(tmp_path), None)
 
 
+def test_eos_ids_come_from_the_models_generation_config(llama_dir, tmp_path):
+    """vLLM stops on the eos ids of the model's generation config (or of the folder
+    --generation-config names), wherever the tokenizer lives; fulcrum read the tokenizer
+    folder's, so a separate tokenizer folder lost the model's list."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [258, 257]}))
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model / name, tokenizer)
+    assert LLM(str(model), tokenizer=str(tokenizer)).get_tokenizer().eos_token_ids == {257, 258}
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "generation_config.json").write_text(json.dumps({"eos_token_id": [258, 300]}))
+    llm = LLM(str(model), tokenizer=str(tokenizer), generation_config=str(given))
+    assert llm.get_tokenizer().eos_token_ids == {258, 300}
+    # "vllm" drops the model's sampling defaults, not the eos ids it lists.
+    assert LLM(str(model), generation_config="vllm").get_tokenizer().eos_token_ids == {257, 258}
+
+
 def test_offline_defaults_come_from_the_model(tuned_dir):
     llm = LLM(str(tuned_dir))
     defaults = llm.get_default_sampling_params()
