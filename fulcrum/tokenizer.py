@@ -1,5 +1,6 @@
-"""The model's tokenizer (HF `tokenizer.json` through the `tokenizers` library), its special
-tokens, and its chat templates (rendered by fulcrum.chat_template)."""
+"""The model's tokenizer (HF `tokenizer.json` through the `tokenizers` library, or a slow
+tokenizer's files converted by transformers), its special tokens, and its chat templates
+(rendered by fulcrum.chat_template)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from fulcrum.json_files import read_json_object
 # which let go of the GIL while they work: its single calls hold it throughout (a
 # 1.1-million-character text held every other thread, the server's event loop, 0.9 s).
 LONG_TEXT_CHARS = 10_000
+
+# A slow tokenizer's files, which transformers converts where a folder has no tokenizer.json.
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -68,21 +72,50 @@ def _token_content(value: Any) -> Optional[str]:
     return value
 
 
+def _load_backend(folder: Path) -> _HFTokenizer:
+    """The folder's tokenizer.json, read by the tokenizers library; a folder without one is
+    converted by transformers (see `_converted`)."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return _converted(folder)
+    try:
+        return _HFTokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises a bare Exception
+        raise ValueError(f"{file} is not a tokenizer the tokenizers library reads: "
+                         f"{error}") from None
+
+
+def _converted(folder: Path) -> _HFTokenizer:
+    """The tokenizer of a folder that ships it only in a slow tokenizer's files (a
+    SentencePiece tokenizer.model, GPT-2-style vocab.json and merges.txt), converted by
+    transformers where it is installed: vLLM loads every tokenizer with transformers'
+    AutoTokenizer, which converts such a folder, so a model that serves there serves here."""
+    found = [name for name in SLOW_TOKENIZER_FILES if (folder / name).is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"no tokenizer.json in {folder}: fulcrum needs a fast (tokenizers) tokenizer")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise FileNotFoundError(
+            f"no tokenizer.json in {folder}, only {', '.join(found)}: install transformers "
+            "(fulcrum converts the tokenizer with it, as vLLM does) or save a tokenizer.json "
+            "once with AutoTokenizer.from_pretrained(folder).save_pretrained(folder)") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder)).backend_tokenizer
+    except Exception as error:  # transformers raises many kinds, its converters more
+        raise ValueError(f"no tokenizer.json in {folder}, and transformers could not convert "
+                         f"its {', '.join(found)} (a SentencePiece model needs the "
+                         f"sentencepiece package): {error}"[:500]) from None
+
+
 class Tokenizer:
     def __init__(self, path: str, model_dir: Optional[str] = None) -> None:
         """The tokenizer in folder `path`. The eos ids generation stops on are the tokenizer's
         EOS and those `model_dir`'s generation_config.json (else config.json) lists, as
         vLLM reads them from the model's folder, not the tokenizer's (default: `path`)."""
         folder = Path(path)
-        file = folder / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"no tokenizer.json in {folder}: fulcrum needs a fast (tokenizers) tokenizer")
-        try:
-            self._tok = _HFTokenizer.from_file(str(file))
-        except Exception as error:  # tokenizers raises a bare Exception
-            raise ValueError(f"{file} is not a tokenizer the tokenizers library reads: "
-                             f"{error}") from None
+        self._tok = _load_backend(folder)
         config = _read_json(folder / "tokenizer_config.json")
         self.special_tokens = self._find_special_tokens(folder, config)
         self.eos_token = self.special_tokens.get("eos_token")
