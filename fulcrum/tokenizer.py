@@ -130,16 +130,23 @@ class Tokenizer:
     @staticmethod
     def _find_special_tokens(folder: Path, config: Dict[str, Any]) -> Dict[str, str]:
         """The named special tokens a template sees (bos_token, pad_token, a model's own
-        image_token, ...), as transformers finds them: special_tokens_map.json's, then
-        tokenizer_config.json's `*_token` entries and extra_special_tokens over them."""
+        image_token, ...), as transformers finds them: tokenizer_config.json's `*_token`
+        entries and extra_special_tokens over them. special_tokens_map.json's fill in for
+        those it lacks, and where it has no added_tokens_decoder (a tokenizer saved before
+        transformers 4.34) they win over its own, as transformers merges them then. A token
+        set to null (Qwen's bos_token) is none, whatever the file read before says."""
         found: Dict[str, str] = {}
         extra = config.get("extra_special_tokens")
-        for source in (_read_json(folder / "special_tokens_map.json"), config,
-                       extra if isinstance(extra, dict) else {}):
+        special_map = _read_json(folder / "special_tokens_map.json")
+        sources = (special_map, config) if "added_tokens_decoder" in config \
+            else (config, special_map)
+        for source in (*sources, extra if isinstance(extra, dict) else {}):
             for name, value in source.items():
                 token = _token_content(value)
                 if name.endswith("_token") and isinstance(token, str):
                     found[name] = token
+                elif name.endswith("_token") and value is None:  # none, as a later file says
+                    found.pop(name, None)
         return found
 
     def _find_eos_ids(self, folder: Path) -> Set[int]:

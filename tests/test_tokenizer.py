@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -53,3 +54,28 @@ def test_a_folder_without_tokenizer_json_says_what_would_read_it(llama_dir, tmp_
         Tokenizer(str(folder))
     with pytest.raises(FileNotFoundError, match="no tokenizer.json in .*fast"):
         Tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("saved_by", ["transformers<4.34", "transformers>=4.34"])
+def test_special_tokens_map_json_is_merged_as_transformers_merges_it(llama_dir, tmp_path,
+                                                                      saved_by):
+    """A folder whose special_tokens_map.json names other BOS/EOS than its
+    tokenizer_config.json: transformers lets the map win where the config has no
+    added_tokens_decoder (saved before 4.34) and does not read it otherwise; fulcrum let the
+    config win always, so it stopped on another EOS than vLLM and wrote another BOS."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(llama_dir / "tokenizer.json", folder)
+    config = json.loads((llama_dir / "tokenizer_config.json").read_text())  # bos_token: null
+    if saved_by == "transformers>=4.34":
+        added = json.loads((llama_dir / "tokenizer.json").read_text())["added_tokens"][:3]
+        config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": {"content": "<|endoftext|>", "normalized": False},
+        "bos_token": "<|im_start|>"}))
+    ours, theirs = Tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(folder)
+    assert ours.special_tokens.get("eos_token") == theirs.eos_token
+    assert ours.special_tokens.get("bos_token") == theirs.bos_token
+    assert ours.eos_token_ids == {theirs.eos_token_id}
