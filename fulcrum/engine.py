@@ -468,7 +468,8 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
             child = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
-                            text, priority, arrival, max_tokens, salt)
+                            text, priority, arrival, max_tokens, salt,
+                            self.tokenizer.eos_token_id)
             child.metrics.slo = targets
             child.bad_words_token_ids = bad_words
             if index == 0 and params.prompt_logprobs is not None:

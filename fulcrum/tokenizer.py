@@ -119,6 +119,9 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         self.special_tokens = self._find_special_tokens(folder, config)
         self.eos_token = self.special_tokens.get("eos_token")
+        # The tokenizer's own EOS id (vLLM's primary one: a stop on it has no stop_reason).
+        self.eos_token_id = None if self.eos_token is None else \
+            self._tok.token_to_id(self.eos_token)
         # One template, or several by name ("default", "tool_use", ...), as transformers has it.
         self.chat_template = find_chat_templates(folder, config)
         self.eos_token_ids = self._find_eos_ids(Path(model_dir) if model_dir else folder)
@@ -160,8 +163,8 @@ class Tokenizer:
                                      f"a list of them, got {value!r}"[:200])
                 ids.update(found)
                 break
-        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
-            ids.add(self._tok.token_to_id(self.eos_token))
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
         return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:

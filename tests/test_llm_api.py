@@ -188,7 +188,7 @@ def test_eos_stops_generation(eos_setup):
     completion = stopped.outputs[0]
     assert completion.token_ids == reference[:k + 1]
     assert completion.finish_reason == "stop"
-    assert completion.stop_reason is None  # EOS, not a user stop token
+    assert completion.stop_reason == reference[k]  # the generation config's, as vLLM's
     assert completion.text == llm.get_tokenizer().decode(reference[:k])
     # ignore_eos runs on to max_tokens; min_tokens masks EOS until it is reached.
     (ignored,) = llm.generate(prompt, greedy(16), use_tqdm=False)

@@ -535,13 +535,26 @@ def eos_llm(llama_dir, llm, tmp_path_factory):
     return LLM(str(folder), num_gpu_blocks_override=64, max_model_len=256), eos
 
 
-def test_eos_stops_with_no_stop_reason(eos_llm):
+def test_eos_stops_with_the_stop_reason_vllm_gives(eos_llm, llama_dir, tmp_path):
+    """A stop on the tokenizer's EOS has no stop_reason; a stop on another eos id the
+    model's generation config lists reports that id, as vLLM (which adds those to the
+    request's stop_token_ids) reports it: fulcrum said None for both, so a Llama 3.1 answer
+    ending in <|eom_id|> (a tool call to run) read like one ending in <|eot_id|>."""
     model, eos = eos_llm
     out = completion(model, PROMPTS[2], temperature=0.0, max_tokens=10)
     assert out.token_ids == [eos]
     assert out.finish_reason == "stop"
-    assert out.stop_reason is None
+    assert out.stop_reason == eos
     assert out.text == ""
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["eos_token"] = model.get_tokenizer().id_to_token(eos)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    primary = completion(LLM(str(folder), num_gpu_blocks_override=64, max_model_len=256),
+                         PROMPTS[2], temperature=0.0, max_tokens=10)
+    assert (primary.token_ids, primary.finish_reason, primary.stop_reason) == ([eos], "stop",
+                                                                               None)
 
 
 def test_min_tokens_holds_off_eos(eos_llm):

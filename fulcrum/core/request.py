@@ -99,6 +99,9 @@ class Request:
     max_tokens: int = 16
     # Requests share prefix-cache blocks only when their salts are equal (vLLM's cache_salt).
     cache_salt: Optional[str] = None
+    # The tokenizer's EOS among eos_token_ids: a stop on it has no stop_reason; the other
+    # eos ids (the model's generation config lists) report theirs, as vLLM's stop tokens.
+    eos_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: List[int] = list(self.prompt_token_ids)
@@ -168,10 +171,10 @@ class Request:
         last = tokens[-1]
         if self.grammar is not None and self.grammar.is_terminated():
             # Its grammar took a stop token: even with ignore_eos nothing more may follow.
-            self.stop_reason = None if last in self.eos_token_ids else last
+            self.stop_reason = None if last == self.eos_token_id else last
             return RequestStatus.FINISHED_STOPPED
         if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
-            self.stop_reason = None if last in self.eos_token_ids and \
+            self.stop_reason = None if last == self.eos_token_id and \
                 last not in self.sampling_params.stop_token_ids else last
             return RequestStatus.FINISHED_STOPPED
         if num_out >= self.max_tokens or len(tokens) >= max_model_len:
