@@ -179,7 +179,9 @@ class Tokenizer:
                                  f"{where}: it is not valid Unicode") from None
             raise
 
-    def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: List[int], skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids`, special tokens kept unless `skip_special_tokens`, as
+        transformers' decode has it (vLLM's get_tokenizer() is a transformers tokenizer)."""
         if len(token_ids) > LONG_TEXT_CHARS:
             return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

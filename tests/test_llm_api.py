@@ -150,7 +150,7 @@ def test_stop_token_ids(llm):
     assert completion.stop_reason == stop_id
     # As in vLLM, the stop token is in token_ids but not in the text.
     tokenizer = llm.get_tokenizer()
-    assert completion.text == tokenizer.decode(reference[:k])
+    assert completion.text == tokenizer.decode(reference[:k], skip_special_tokens=True)
     assert completion.text_offsets is None  # kept with logprobs only
     (logged,) = llm.generate(prompt, greedy(16, stop_token_ids=[stop_id], logprobs=0),
                              use_tqdm=False)
@@ -189,7 +189,7 @@ def test_eos_stops_generation(eos_setup):
     assert completion.token_ids == reference[:k + 1]
     assert completion.finish_reason == "stop"
     assert completion.stop_reason == reference[k]  # the generation config's, as vLLM's
-    assert completion.text == llm.get_tokenizer().decode(reference[:k])
+    assert completion.text == llm.get_tokenizer().decode(reference[:k], True)
     # ignore_eos runs on to max_tokens; min_tokens masks EOS until it is reached.
     (ignored,) = llm.generate(prompt, greedy(16), use_tqdm=False)
     assert tokens(ignored) == reference

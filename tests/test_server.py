@@ -188,7 +188,7 @@ def test_logprobs_name_tokens_by_id_where_asked(server, llama_dir):
                        json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
     ids = [int(t.removeprefix("token_id:")) for t in by_id["logprobs"]["tokens"]]
     assert all(t.startswith("token_id:") for t in by_id["logprobs"]["tokens"])
-    assert tokenizer.decode(ids) == by_id["text"] == plain["text"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == by_id["text"] == plain["text"]
     assert by_id["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
     assert by_id["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
     for top in by_id["logprobs"]["top_logprobs"]:

@@ -79,3 +79,15 @@ def test_special_tokens_map_json_is_merged_as_transformers_merges_it(llama_dir, 
     assert ours.special_tokens.get("eos_token") == theirs.eos_token
     assert ours.special_tokens.get("bos_token") == theirs.bos_token
     assert ours.eos_token_ids == {theirs.eos_token_id}
+
+
+def test_decode_keeps_special_tokens_unless_asked_as_transformers_does(llama_dir):
+    """vLLM's get_tokenizer() is a transformers tokenizer, whose decode(ids) keeps special
+    tokens; fulcrum's dropped them unless told (the tokenizers library's default)."""
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer(str(llama_dir))
+    theirs = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    ids = ours.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ours.decode(ids) == theirs.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+    assert ours.decode(ids, skip_special_tokens=True) == \
+        theirs.decode(ids, skip_special_tokens=True) == "user\nhi"
