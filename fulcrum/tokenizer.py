@@ -134,15 +134,15 @@ class Tokenizer:
     def _find_special_tokens(folder: Path, config: Dict[str, Any]) -> Dict[str, str]:
         """The named special tokens a template sees (bos_token, pad_token, a model's own
         image_token, ...), as transformers finds them: tokenizer_config.json's `*_token`
-        entries and extra_special_tokens over them. special_tokens_map.json's fill in for
-        those it lacks, and where it has no added_tokens_decoder (a tokenizer saved before
-        transformers 4.34) they win over its own, as transformers merges them then. A token
-        set to null (Qwen's bos_token) is none, whatever the file read before says."""
+        entries and extra_special_tokens over them. special_tokens_map.json is read only
+        where the config has no added_tokens_decoder (a tokenizer saved before transformers
+        4.34), and its tokens then win over the config's; transformers ignores the map of a
+        newer config, so a token only the map names is none there. A token set to null
+        (Qwen's bos_token) is none, whatever the file read before says."""
         found: Dict[str, str] = {}
         extra = config.get("extra_special_tokens")
-        special_map = _read_json(folder / "special_tokens_map.json")
-        sources = (special_map, config) if "added_tokens_decoder" in config \
-            else (config, special_map)
+        legacy = "added_tokens_decoder" not in config
+        sources = (config, _read_json(folder / "special_tokens_map.json")) if legacy else (config,)
         for source in (*sources, extra if isinstance(extra, dict) else {}):
             for name, value in source.items():
                 token = _token_content(value)

@@ -91,3 +91,20 @@ def test_decode_keeps_special_tokens_unless_asked_as_transformers_does(llama_dir
     assert ours.decode(ids) == theirs.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
     assert ours.decode(ids, skip_special_tokens=True) == \
         theirs.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+def test_special_tokens_map_json_is_not_read_beside_added_tokens_decoder(llama_dir, tmp_path):
+    """transformers reads special_tokens_map.json only for a config without
+    added_tokens_decoder: a pad_token the map alone names is none for a newer config, and
+    fulcrum still filled it in from the map (a template saw a pad_token vLLM's does not)."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(llama_dir / "tokenizer.json", folder)
+    config = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    added = json.loads((llama_dir / "tokenizer.json").read_text())["added_tokens"][:3]
+    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<|endoftext|>"}))
+    ours, theirs = Tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(folder)
+    assert ours.special_tokens.get("pad_token") == theirs.pad_token is None
