@@ -284,6 +284,31 @@ def test_ranks_end_when_their_driver_is_killed(model_dirs, tmp_path):
     assert not _alive(pid)
 
 
+ALIVE_AT_EXIT_SCRIPT = """
+import sys, weakref
+weakref.finalize(object, lambda: None)  # before multiprocessing is imported, as a TemporaryDirectory
+from fulcrum import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 20)
+    print("DONE", flush=True)
+"""
+
+
+def test_a_script_ending_with_an_llm_alive_exits_whatever_finalize_came_first(model_dirs,
+                                                                              tmp_path):
+    """With weakref.finalize's exit hook registered before multiprocessing's, the latter
+    ran first: it sent the ranks a SIGTERM they ignore and joined them for good."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "alive.py"
+    script.write_text(ALIVE_AT_EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(model_dirs["llama"])],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "DONE" in done.stdout, done.stderr[-2000:]
+
+
 def test_an_llm_dropped_without_shutdown_ends_its_ranks_and_unpins_the_caller(model_dirs):
     """The group held the executor through its rank check, so `del llm` left the ranks
     running (with their share of model and cache) and the caller pinned to one core."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
@@ -73,6 +74,7 @@ class MultiprocExecutor(ParallelExecutor):
         # An engine dropped without shutdown ends its ranks (they held its share of the
         # model and cache for as long as the caller lived).
         self._finalizer = weakref.finalize(self, _stop, self._procs, 0.0)
+        _stop_before_multiprocessing_exits(self._finalizer)
         try:
             self._pin_driver(cores[0])
             group = connect(0, world, LOCALHOST, port,
@@ -89,6 +91,7 @@ class MultiprocExecutor(ParallelExecutor):
 
     def _stop_ranks(self) -> None:
         self._finalizer.detach()
+        atexit.unregister(self._finalizer)
         _stop(self._procs, 0.0 if self._failed else STOP_TIMEOUT_S)
 
 
@@ -133,6 +136,16 @@ def _abort_when_one_ends(procs: List[multiprocessing.Process], group: ParallelGr
     code, which cannot ask who has ended."""
     multiprocessing.connection.wait([process.sentinel for process in procs])
     group.abort()
+
+
+def _stop_before_multiprocessing_exits(finalizer: weakref.finalize) -> None:
+    """Run `finalizer` (which kills the ranks) at exit before multiprocessing's own exit
+    hook, which terminate()s daemon processes with a SIGTERM the ranks ignore and then
+    joins them with no timeout: the script never ended. weakref.finalize's one atexit hook
+    does not ensure that order: it runs after multiprocessing's wherever a finalize was made
+    before multiprocessing was imported (a tempfile.TemporaryDirectory, say). atexit runs
+    its hooks last registered first, and this one is registered after multiprocessing's."""
+    atexit.register(finalizer)
 
 
 def _stop(procs: List[multiprocessing.Process], grace_s: float) -> None:
