@@ -45,10 +45,18 @@ def test_a_cgroup_v1_limit_seen_from_inside_its_container(monkeypatch, tmp_path)
     # The path names the host's view; inside, the mount is the container's own cgroup.
     _fake_cgroups(monkeypatch, tmp_path, "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n", {
         "memory/memory.limit_in_bytes": str(4096 * MIB),
-        "memory/memory.usage_in_bytes": str(3072 * MIB),
+        "memory/memory.usage_in_bytes": str(1536 * MIB),
         "memory/memory.stat": f"hierarchical_memory_limit {2048 * MIB}\n"
                               f"total_inactive_file {64 * MIB}\n"})
-    assert memory.available_cpu_memory() == (2048 - 3072 + 64) * MIB
+    assert memory.available_cpu_memory() == (2048 - 1536 + 64) * MIB
+
+
+def test_a_cgroup_using_more_than_its_limit_leaves_no_room(monkeypatch, tmp_path):
+    """A limit lowered below the usage (docker update --memory): no room, not a negative
+    amount ("more than the -0.0 GiB of RAM available")."""
+    _fake_cgroups(monkeypatch, tmp_path, "0::/\n", {"memory.max": str(1024 * MIB),
+                                                      "memory.current": str(1536 * MIB)})
+    assert memory.available_cpu_memory() == 0
 
 
 def test_without_a_limit_the_systems_available_memory_counts(monkeypatch, tmp_path):

@@ -22,9 +22,10 @@ MEMINFO = Path("/proc/meminfo")
 
 def available_cpu_memory() -> int:
     """Bytes of RAM this process may still take: the system's available memory, or less
-    where a cgroup's memory limit leaves less."""
+    where a cgroup's memory limit leaves less; none (0) where a cgroup uses more than its
+    limit (`docker update --memory` lowered it below the usage)."""
     rooms = [room for room in (_cgroup_v2_room(), _cgroup_v1_room()) if room is not None]
-    return min([_system_available(), *rooms])
+    return max(0, min([_system_available(), *rooms]))
 
 
 def _system_available() -> int:
