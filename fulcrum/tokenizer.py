@@ -193,6 +193,11 @@ class Tokenizer:
         """Every token's string (as tokenizer.json spells it) and id, added tokens included."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def special_token_ids(self) -> Set[int]:
+        """The added tokens marked special: what decoding with skip_special_tokens drops."""
+        return {index for index, token in self._tok.get_added_tokens_decoder().items()
+                if token.special}
+
     def backend_json(self) -> str:
         """The whole tokenizer.json, which says how token strings spell bytes."""
         return self._tok.to_str()

@@ -69,6 +69,21 @@ def test_each_kind_of_constraint_holds(llm, constraint, check):
         assert check(text), text
 
 
+def test_special_tokens_are_not_text_to_the_grammar(llm):
+    """A special token spelled its name to xgrammar ("<|im_start|>": 12 characters of the
+    pattern) while the answer, decoded without special tokens, held none of it; and EOS could
+    stand for the text of a choice "<|im_end|>", ending the answer empty."""
+    pattern = "[a-z<|>_]{40}"
+    outputs = llm.generate(PROMPTS * 2, [constrained(seed, regex=pattern)
+                                         for seed in range(8)], use_tqdm=False)
+    for text in texts(outputs):
+        assert re.fullmatch(pattern, text), text
+    choices = ["<|im_end|>", "ok"]
+    outputs = llm.generate(PROMPTS * 2, [constrained(seed, choice=choices)
+                                         for seed in range(8)], use_tqdm=False)
+    assert all(text in choices for text in texts(outputs)), texts(outputs)
+
+
 def test_json_object_is_an_object(llm):
     """A random model may write one endless string; whatever ends by itself is an object."""
     params = [constrained(seed, max_tokens=100, json_object=True, disable_any_whitespace=True)
