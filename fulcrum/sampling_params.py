@@ -143,7 +143,11 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
 # What xgrammar (0.2.9) accepts in a JSON schema and then does not enforce: each was
 # checked by compiling a schema and feeding it a value that breaks the keyword.
 _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
-               "dependentRequired", "dependentSchemas")
+               "dependentRequired", "dependentSchemas", "$dynamicRef", "$recursiveRef")
+# The formats xgrammar (0.2.9) writes its own grammar for: a "pattern" beside one is dropped
+# (it let "a@b.co" through `"format": "email", "pattern": "^x"`).
+_XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "ipv4",
+                               "ipv6", "uri", "uuid", "json-pointer", "relative-json-pointer"})
 # Not checked: "format", which JSON Schema (2019-09 on) makes an annotation unless a
 # validator opts in: xgrammar holds strings to the formats it knows (date, email, uri, ...)
 # and takes the rest, and the lengths beside them (pydantic's HttpUrl), as annotations too.
@@ -187,6 +191,9 @@ def _unenforced_here(schema: Dict[str, Any]) -> Optional[str]:
     found = next((key for key in _UNENFORCED if key in schema), None)
     if found is not None:
         return found
+    problem = _unfollowed_reference(schema) or _unmatched_keyword(schema)
+    if problem is not None:
+        return problem
     if schema.get("uniqueItems") is True:
         return "uniqueItems"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
@@ -204,6 +211,60 @@ def _unenforced_here(schema: Dict[str, Any]) -> Optional[str]:
     if combined is not None and beside is not None:
         return f"{beside} beside {combined}"
     return None
+
+
+def _unfollowed_reference(schema: Dict[str, Any]) -> Optional[str]:
+    """A $ref xgrammar does not follow: only "#" and "#/..." pointers into the schema are;
+    any other (a URL, a file, an $anchor's "#name", an $id) let any value through."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"$ref {ref[:80]!r} (only '#/...' pointers into the schema are followed)"
+    return None
+
+
+def _unmatched_keyword(schema: Dict[str, Any]) -> Optional[str]:
+    """A keyword xgrammar takes and then drops: an empty list of types or of alternatives (any
+    value, or an empty answer, where none is valid), a required name that `properties` does
+    not define ({} passed `"required": ["b"]`), a lookahead in a pattern, a pattern beside a
+    format it writes itself."""
+    if schema.get("type") == []:
+        return "type with no type in its list"
+    empty = next((key for key in ("anyOf", "oneOf") if schema.get(key) == []), None)
+    if empty is not None:
+        return f"{empty} with no schema in its list"
+    properties = schema.get("properties")
+    defined = properties if isinstance(properties, dict) else {}
+    required = schema.get("required")
+    missing = next((name for name in required if name not in defined), None) \
+        if isinstance(required, list) else None
+    if missing is not None:
+        return f"required {str(missing)[:80]!r} without a schema of its own in properties"
+    patterns = [schema.get("pattern")]
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += list(schema["patternProperties"])
+    looking = next((p for p in patterns if isinstance(p, str) and _has_lookahead(p)), None)
+    if looking is not None:
+        return f"lookahead in the pattern {looking[:80]!r}"
+    if "pattern" in schema and schema.get("format") in _XGRAMMAR_FORMATS:
+        return f"pattern beside format {schema['format']!r}"
+    return None
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether a regex holds a lookahead, "(?=" or "(?!" (not escaped, nor in a class)."""
+    escaped = in_class = False
+    for index, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), index):
+            return True
+    return False
 
 
 @dataclass

@@ -159,10 +159,28 @@ def test_a_bad_constraint_is_refused_before_anything_is_queued(llm, constraint, 
     ({"type": "number", "multipleOf": 0.5}, "multipleOf on a number"),
     ({"type": "array", "items": {"minimum": 5}}, "minimum without a type (at #/items)"),
     ({"type": "string", "anyOf": [{"type": "integer"}]}, "type beside anyOf"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+     "$ref 'https://example.com/a.json' (only '#/...' pointers into the schema are "
+     "followed) (at #/properties/a)"),
+    ({"$defs": {"a": {"$anchor": "a", "type": "integer"}}, "$ref": "#a"}, "$ref '#a'"),
+    ({"type": "object", "properties": {"a": {"$dynamicRef": "#n"}}}, "$dynamicRef"),
+    ({"anyOf": []}, "anyOf with no schema in its list (at #)"),
+    ({"type": "array", "items": {"oneOf": []}}, "oneOf with no schema in its list"),
+    ({"type": []}, "type with no type in its list"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+     "required 'b' without a schema of its own in properties"),
+    ({"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"}},
+     "required 'b'"),
+    ({"type": "string", "pattern": "^(?!b)[a-z]+$"}, "lookahead in the pattern '^(?!b)[a-z]+$'"),
+    ({"type": "object", "patternProperties": {"^a(?=b)": {"type": "integer"}}},
+     "lookahead in the pattern"),
+    ({"type": "string", "format": "email", "pattern": "^x"}, "pattern beside format 'email'"),
 ])
 def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword):
     """Each was compiled and left unenforced (xgrammar 0.2.9): [2, 1, 1] under uniqueItems,
-    "caaaa" under pattern + maxLength. Accepting them gave outputs that break the schema."""
+    "caaaa" under pattern + maxLength, any value for a $ref to a URL, an empty answer for an
+    empty anyOf, {} for a required name without a property, "aaa" for ^(?=b)a+$, "a@b.co"
+    for an email that must start with x. Accepting them gave outputs that break the schema."""
     with pytest.raises(ValueError, match=re.escape(f"the JSON schema's {keyword}")):
         StructuredOutputsParams(json=schema)
 
@@ -179,6 +197,10 @@ def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keywo
     # SecretStr; OpenAPI's int64 and double.
     {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
     {"type": "string", "format": "binary"}, {"type": "string", "format": "password"},
+    {"type": "string", "format": "hostname", "pattern": "^[a-z]+$"},
+    {"type": "string", "pattern": "^[(?=]\\(?!$"},  # no lookahead: a class, an escape
+    {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#"}}},
+     "required": ["c"]},
     {"type": "object", "properties": {"id": {"type": "integer", "format": "int64"},
                                       "x": {"type": "number", "format": "double"}}},
 ])
