@@ -270,8 +270,8 @@ def _has_lookahead(pattern: str) -> bool:
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a JSON schema, a regular expression, one of several strings,
-    an EBNF grammar, or any JSON (vLLM's names). `disable_any_whitespace` makes JSON compact
-    (no free whitespace between tokens), which small models need to finish."""
+    an EBNF or Lark grammar, or any JSON (vLLM's names). `disable_any_whitespace` makes JSON
+    compact (no free whitespace between tokens), which small models need to finish."""
 
     json: Optional[Union[str, Dict[str, Any]]] = None
     regex: Optional[str] = None

@@ -1,5 +1,5 @@
-"""Structured outputs: a grammar (JSON schema, regex, choice, EBNF, any JSON) constrains
-which tokens a request may sample next, through xgrammar (what vLLM and SGLang use).
+"""Structured outputs: a grammar (JSON schema, regex, choice, EBNF or Lark, any JSON)
+constrains which tokens a request may sample next, through xgrammar (what vLLM and SGLang use).
 
 A request's constraint is parsed when it arrives, so a bad schema is refused at once; the
 expensive part, the per-token mask cache, is compiled on a background thread and kept by the
@@ -197,11 +197,24 @@ def _parse(params: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
                 _ebnf_literal(c) for c in params.choice))
         if kind == "grammar":
-            return xgr.Grammar.from_ebnf(params.grammar)
+            return _grammar(params.grammar)
         # json_object: any JSON object (OpenAI's JSON mode), not any JSON value.
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
     except RuntimeError as error:
         raise ValueError(f"invalid {kind} constraint: {_message(error)}") from None
+
+
+# A comment in a grammar, EBNF's or Lark's.
+_COMMENT = re.compile(r"(#|//).*$")
+
+
+def _grammar(source: str) -> xgr.Grammar:
+    """An EBNF grammar (xgrammar's, GBNF-like: `root ::= ...`), or a Lark one (`start: ...`),
+    which vLLM takes too (it converts them to EBNF): as vLLM tells them apart, a grammar none
+    of whose lines holds "::=" is Lark."""
+    if any("::=" in _COMMENT.sub("", line) for line in source.splitlines()):
+        return xgr.Grammar.from_ebnf(source)
+    return xgr.Grammar.from_lark(source)
 
 
 # xgrammar 0.2.9 writes a string with minLength/maxLength as so many characters of
