@@ -440,8 +440,17 @@ def test_required_calls_a_function_whose_parameters_have_definitions(server):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None,
      "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "array", "uniqueItems": True}}}], "tool_choice": "required"}, "tools",
-     "tools: 'f': the JSON schema's uniqueItems (at #) cannot be enforced"),
+        "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}],
+      "tool_choice": "required"}, "tools",
+     "tools: 'f': the JSON schema's uniqueItems (at #/properties/t) cannot be enforced"),
+    # A call's arguments are an object: a named call's were "8", "required" made none.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "integer"}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools", "tools: 'f': the parameters must be a JSON schema of type 'object', got type "
+              "'integer'"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}], "tool_choice": "required"}, "tools",
+     "'f': the parameters must be a JSON schema of type 'object', got type 'array'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "$defs": [1]}}}], "tool_choice": "required"}, "tools",
      "have $defs that is not an object"),

@@ -254,10 +254,21 @@ def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
         return None
     if choice != "required":
         tool = next(t for t in tools if t["function"]["name"] == choice)
-        return _checked(choice, parameters_schema(tool))
+        return _checked(choice, _object_parameters(tool))
     for tool in tools:  # each on its own first, so that a refusal names the tool
-        _checked(tool["function"]["name"], parameters_schema(tool))
+        _checked(tool["function"]["name"], _object_parameters(tool))
     return _checked("required", required_schema(tools, parallel))
+
+
+def _object_parameters(tool: Dict[str, Any]) -> Dict[str, Any]:
+    """A function's parameters, which must be an object, as OpenAI requires: a call's
+    arguments are one (under {"type": "integer"} a named call's were "8", and "required"
+    made no call, its JSON sent as content)."""
+    schema = parameters_schema(tool)
+    if schema.get("type", "object") != "object":
+        raise ValueError(f"{tool['function']['name']!r}: the parameters must be a JSON schema "
+                         f"of type 'object', got type {schema['type']!r}")
+    return schema
 
 
 def _checked(name: str, schema: Dict[str, Any]) -> StructuredOutputsParams:
