@@ -82,7 +82,9 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_GRAMMAR_CHARS = 1 << 20
 # A regex or EBNF grammar compiles in time that climbs with its length: "a" * 65,536 in
 # ~1.3 s here, a 1 MiB one for over a minute, holding up every constrained request queued
-# behind it on the one compile thread.
+# behind it on the one compile thread. So do the strings of a choice, an enum or a const:
+# 2,000 choices of 100 characters compiled in 12 s (a trivial choice queued behind them
+# waited 30 s), 1,000 enum strings of 100 in 2.7 s.
 MAX_PATTERN_CHARS = 1 << 16
 # Nesting of a JSON schema document: xgrammar's compile time grows with about its cube
 # (~0.01 s at 64 here, 4.5 s at 600), and a compile holds up whoever waits on it. OpenAI's
@@ -107,6 +109,7 @@ class SchemaSize:
     alternatives: int = 0  # enum values
     branches: int = 0  # anyOf / oneOf / allOf entries
     pattern_chars: int = 0  # the regexes of "pattern"s and "patternProperties"' keys
+    literal_chars: int = 0  # the strings of enums and consts
 
 
 def schema_size(value: Any) -> SchemaSize:
@@ -121,6 +124,9 @@ def schema_size(value: Any) -> SchemaSize:
                 size.properties += len(item["properties"])
             if isinstance(item.get("enum"), list):
                 size.alternatives += len(item["enum"])
+                size.literal_chars += sum(len(v) for v in item["enum"] if isinstance(v, str))
+            if isinstance(item.get("const"), str):
+                size.literal_chars += len(item["const"])
             size.branches += sum(len(item[key]) for key in ("anyOf", "oneOf", "allOf")
                                  if isinstance(item.get(key), list))
             if isinstance(item.get("pattern"), str):
@@ -305,6 +311,9 @@ class StructuredOutputsParams:
         if self.choice is not None and len(self.choice) > MAX_ALTERNATIVES:
             raise ValueError(f"choice has {len(self.choice)} strings, more than the "
                              f"{MAX_ALTERNATIVES} allowed")
+        if self.choice is not None and sum(map(len, self.choice)) > MAX_PATTERN_CHARS:
+            raise ValueError(f"choice has {sum(map(len, self.choice))} characters in all, more "
+                             f"than the {MAX_PATTERN_CHARS} allowed")
         for name in ("json_object", "disable_any_whitespace"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -324,7 +333,9 @@ class StructuredOutputsParams:
                   (size.branches, MAX_SCHEMA_BRANCHES, "has {} anyOf / oneOf / allOf branches "
                                                        "in all"),
                   (size.pattern_chars, MAX_PATTERN_CHARS, "has {} characters of patterns in "
-                                                          "all")]
+                                                          "all"),
+                  (size.literal_chars, MAX_PATTERN_CHARS, "has {} characters of enum and const "
+                                                          "strings in all")]
         for found, limit, what in limits:
             if found > limit:
                 raise ValueError(f"the JSON schema {what.format(found)}, more than the "

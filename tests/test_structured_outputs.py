@@ -260,7 +260,8 @@ def test_schema_size_limits_count_the_whole_schema():
                                          schema_size)
 
     assert schema_size(_properties(5000, nested=True)) == SchemaSize(5, 5000, 0, 0, 0)
-    assert schema_size({"anyOf": [{"enum": [1, 2]}, {"enum": ["a"]}]}) == SchemaSize(4, 0, 3, 2)
+    assert schema_size({"anyOf": [{"enum": [1, 2]}, {"enum": ["a"]}]}) == SchemaSize(
+        4, 0, 3, 2, literal_chars=1)
     assert schema_size({"pattern": "ab", "patternProperties": {"^x": {}}}).pattern_chars == 4
     StructuredOutputsParams(json=_properties(MAX_SCHEMA_PROPERTIES, nested=True))
     with pytest.raises(ValueError, match="5001 object properties in all, more than the 5000"):
@@ -287,6 +288,16 @@ def test_schema_size_limits_count_the_whole_schema():
     StructuredOutputsParams(choice=["a"] * MAX_ALTERNATIVES)
     with pytest.raises(ValueError, match="choice has 10001 strings, more than the 10000"):
         StructuredOutputsParams(choice=["a"] * (MAX_ALTERNATIVES + 1))
+    # Long strings: 2,000 choices of 100 characters compiled for 12 s, and every constrained
+    # request behind them waited (1 MiB of them: minutes).
+    StructuredOutputsParams(choice=["a" * 64] * (MAX_PATTERN_CHARS // 64))
+    with pytest.raises(ValueError, match="choice has 65600 characters in all, more than the "
+                                         "65536 allowed"):
+        StructuredOutputsParams(choice=["a" * 100] * 656)
+    assert schema_size({"enum": ["ab", 1, None], "const": "c"}).literal_chars == 3
+    with pytest.raises(ValueError, match="65600 characters of enum and const strings in all"):
+        StructuredOutputsParams(json={"anyOf": [{"enum": ["a" * 100] * 600},
+                                                {"const": "b" * 5600}]})
 
 
 def test_requests_with_one_schema_share_one_compile(llm):
