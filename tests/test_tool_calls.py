@@ -451,6 +451,11 @@ def test_required_calls_a_function_whose_parameters_have_definitions(server):
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
         "type": "array"}}}], "tool_choice": "required"}, "tools",
      "'f': the parameters must be a JSON schema of type 'object', got type 'array'"),
+    # What xgrammar refuses names the function (it said "invalid json constraint", param null)
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "objec"}}}}}],
+      "tool_choice": "required"}, "tools",
+     "tools: 'f': invalid json constraint: Unsupported type \"objec\""),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "$defs": [1]}}}], "tool_choice": "required"}, "tools",
      "have $defs that is not an object"),

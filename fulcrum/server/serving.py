@@ -29,7 +29,7 @@ from fulcrum.chat_template import (TEMPLATE_ERRORS, check_content_format, check_
                                    content_format)
 from fulcrum.metrics import EngineMetrics
 from fulcrum.outputs import RequestOutput
-from fulcrum.sampling_params import ParamError, SamplingParams
+from fulcrum.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from fulcrum.server import reasoning, tool_calls
 from fulcrum.server.chat_answer import ChatAnswer
 from fulcrum.server.choices import Choice, Delta, EnginePrompt, Generation
@@ -426,8 +426,9 @@ class OpenAIServing:
         try:
             constraint = tool_calls.constraint(request.tool_dicts or [],
                                                request.forced_function,
-                                               request.parallel_tool_calls is not False)
-        except ValueError as error:  # the tools' schemas past the structured-output limits
+                                               request.parallel_tool_calls is not False,
+                                               self._parse_constraint)
+        except ValueError as error:  # a tool's schema that xgrammar refuses or cannot hold
             raise APIError(400, f"tools: {error}", "tools") from None
         if constraint is None:
             return params
@@ -435,6 +436,11 @@ class OpenAIServing:
             raise APIError(400, f"tool_choice {mode!r} is enforced with structured outputs, so "
                                 "the request may not bring its own", "tool_choice")
         return dataclasses.replace(params, structured_outputs=constraint)
+
+    def _parse_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Raise ValueError if xgrammar cannot read `constraint` (its compiler is built on
+        first use: unconstrained requests never pay for it)."""
+        self.llm.engine.grammar_compiler.parse(constraint)
 
     def _reasoning_stream(self, params: SamplingParams,
                           hidden: bool) -> Optional[reasoning.ReasoningStream]:

@@ -245,19 +245,24 @@ def parameters_schema(tool: Dict[str, Any]) -> Dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+Check = Callable[[StructuredOutputsParams], Any]  # raises ValueError for a bad constraint
+
+
 def constraint(tools: Sequence[Dict[str, Any]], choice: Optional[str],
-               parallel: bool = True) -> Optional[StructuredOutputsParams]:
+               parallel: bool = True, check: Optional[Check] = None,
+               ) -> Optional[StructuredOutputsParams]:
     """The structured output that enforces tool_choice "required", or a named function
     (`choice` is then its name). Compact JSON: arguments are read by programs, and no
-    model gets to pad them with whitespace."""
+    model gets to pad them with whitespace. `check` (the grammar compiler's parse) refuses
+    what xgrammar cannot read, naming the function."""
     if choice is None:
         return None
     if choice != "required":
         tool = next(t for t in tools if t["function"]["name"] == choice)
-        return _checked(choice, _object_parameters(tool))
+        return _checked(choice, _object_parameters(tool), check)
     for tool in tools:  # each on its own first, so that a refusal names the tool
-        _checked(tool["function"]["name"], _object_parameters(tool))
-    return _checked("required", required_schema(tools, parallel))
+        _checked(tool["function"]["name"], _object_parameters(tool), check)
+    return _checked("required", required_schema(tools, parallel), check)
 
 
 def _object_parameters(tool: Dict[str, Any]) -> Dict[str, Any]:
@@ -271,9 +276,13 @@ def _object_parameters(tool: Dict[str, Any]) -> Dict[str, Any]:
     return schema
 
 
-def _checked(name: str, schema: Dict[str, Any]) -> StructuredOutputsParams:
+def _checked(name: str, schema: Dict[str, Any],
+             check: Optional[Check] = None) -> StructuredOutputsParams:
     try:
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        if check is not None:
+            check(params)
+        return params
     except ValueError as error:
         raise ValueError(f"{name!r}: {error}") from None
 
