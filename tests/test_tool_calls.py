@@ -17,7 +17,7 @@ import pytest
 
 from conftest import build_tiny_model, running_server
 from fulcrum.server.tool_calls import (HermesParser, Llama3JsonParser, MistralParser,
-                                       ToolCallStream, required_schema)
+                                       ToolCallStream, ToolDelta, required_schema)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -68,6 +68,19 @@ def test_llama3_json_reads_one_or_several_objects():
     assert [n for n, _ in calls(Llama3JsonParser().parse(two))] == ["get_time", "get_weather"]
     assert calls(Llama3JsonParser().parse("<|python_tag|>" + one)) == [("get_time",
                                                                          {"zone": "cet"})]
+    # The tag, where it shows, is no content (it came back as content beside the call, and
+    # a stream sent it before the call came)
+    assert Llama3JsonParser().parse("<|python_tag|>" + one)[0] is None
+    stream = ToolCallStream("auto", Llama3JsonParser())
+    assert stream.feed(" <|python") == ToolDelta()  # (a tokenizer that spells it out)
+    assert stream.feed("_tag|>") == ToolDelta()
+    assert stream.feed(one) == ToolDelta()
+    assert stream.finish()[0].content is None
+    code = '<|python_tag|>brave_search.call(query="x")'
+    assert Llama3JsonParser().parse(code) == (code, [])
+    stream = ToolCallStream("auto", Llama3JsonParser())
+    assert stream.feed("<|py") == ToolDelta()
+    assert stream.feed("thon!") == ToolDelta(content="<|python!")
     assert Llama3JsonParser().parse('Use {"name": "x"}') == ('Use {"name": "x"}', [])
     assert Llama3JsonParser().parse('{"a": 1}') == ('{"a": 1}', [])
     # JSON data asked for while tools are offered is no call (vLLM's parser needs one of the

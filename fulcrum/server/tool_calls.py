@@ -90,6 +90,11 @@ class ToolParser(ABC):
         index = text.find(self.marker)
         return index if index >= 0 else None
 
+    def may_open(self, text: str) -> bool:
+        """Whether an answer that starts with `text` (whitespace stripped) may still turn
+        out to start with the calls (`at_start_only`: a stream holds it back until then)."""
+        return not text
+
     def parse(self, text: str) -> Tuple[Optional[str], List[ToolCall]]:
         """(content before the calls, calls); when the calls are not well-formed, (text, [])."""
         start = self.start(text)
@@ -127,19 +132,22 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     marker = "{"
     at_start_only = True
+    # Where the tokenizer shows it (not special, or skip_special_tokens false), the calls may
+    # open with it: it is part of them, not content (vLLM's too).
+    tag = "<|python_tag|>"
 
     def start(self, text: str) -> Optional[int]:
-        tag = "<|python_tag|>"
         offset = len(text) - len(text.lstrip())
-        if text.startswith(tag, offset):
-            index = super().start(text[offset + len(tag):])
-            return None if index is None else index + offset + len(tag)
-        return super().start(text)
+        return offset if text.startswith(self.tag, offset) else super().start(text)
+
+    def may_open(self, text: str) -> bool:
+        return self.tag.startswith(text)
 
     def calls(self, text: str) -> List[ToolCall]:
         """A call names its function and gives "arguments" or "parameters" (vLLM reads the
         first where both are there): any other JSON object an answer starts with is text
-        (a request for JSON data while tools are offered)."""
+        (a request for JSON data while tools are offered), as is code after the tag."""
+        text = text[len(self.tag):] if text.startswith(self.tag) else text
         return [_call(value["name"], value["arguments"] if "arguments" in value
                       else value["parameters"]) for value in _objects(text)]
 
@@ -368,7 +376,7 @@ class ToolCallStream:
     def _held_back(self) -> int:
         """How many final characters could be the start of the parser's marker."""
         if self.parser.at_start_only:
-            return len(self.text) if not self.text.strip() else 0
+            return len(self.text) if self.parser.may_open(self.text.lstrip()) else 0
         return held_back(self.text, self.parser.marker)
 
     def _deltas(self, calls: Sequence[ToolCall]) -> List[Dict[str, Any]]:
