@@ -55,6 +55,20 @@ def test_allowed_token_ids_are_the_only_ones_drawn():
     assert sample([9.0, 0.0, 1.0, 3.0], row(temperature=0.0, allowed_token_ids=[1, 2])) == 2
 
 
+def test_a_requests_allowed_ids_are_read_once_and_forgotten_with_it():
+    """Each request's allowed_token_ids are made into an array once, not at every step, and
+    dropped when the request ends."""
+    sampler = Sampler(0, CPU)
+    rows = [SamplingRow(f"r{i}", SamplingParams(temperature=0.0, allowed_token_ids=ids), [0], 1)
+            for i, ids in enumerate(([3], [5, 6]))]
+    logits = torch.arange(10.0).expand(2, -1).clone()
+    for _ in range(2):
+        assert [t.token_id for t in sampler(logits.clone(), rows)] == [3, 6]
+        rows[0].params.allowed_token_ids.append(9)  # not read again while it runs
+    sampler.forget(["r0", "r1"])
+    assert [t.token_id for t in sampler(logits.clone(), rows)] == [9, 6]
+
+
 def test_a_bad_word_the_model_cannot_produce_is_left_out(llama_dir):
     """A spelling with an id past the model's vocabulary (a tokenizer's added token) can never
     be completed; the sampler bans ids at their place in the batch's flat logits, where it

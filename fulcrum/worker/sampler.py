@@ -42,10 +42,14 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: Dict[str, torch.Generator] = {}
+        # Each request's allowed_token_ids as an array, made once: a list of 1,000 ids made
+        # into one at every step cost ~3 ms of a 64-row step.
+        self._allowed_ids: Dict[str, np.ndarray] = {}
 
     def forget(self, request_ids: List[str]) -> None:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+            self._allowed_ids.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, rows: List[SamplingRow],
                  argmax: Optional[torch.Tensor] = None) -> List[SampledToken]:
@@ -105,8 +109,15 @@ class Sampler:
         return {i: _why_nothing(given[i]) for i in sorted(bad)}
 
     # ------------------------------------------------------- token controls
-    @staticmethod
-    def _apply_token_controls(logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+    def _allowed(self, row: SamplingRow) -> np.ndarray:
+        ids = self._allowed_ids.get(row.request_id)
+        if ids is None:
+            ids = np.asarray(row.params.allowed_token_ids, dtype=np.int64)
+            self._allowed_ids[row.request_id] = ids
+        return ids
+
+    def _apply_token_controls(self, logits: torch.Tensor,
+                              rows: List[SamplingRow]) -> torch.Tensor:
         """allowed_token_ids, then bad_words, then logit_bias, for all rows at once (one
         gather or scatter each over the ids the rows name; rows without them cost one check
         each)."""
@@ -118,7 +129,7 @@ class Sampler:
         flat, vocab = logits.view(-1), logits.shape[-1]
         allowed = [i for i in controlled if rows[i].params.allowed_token_ids]
         if allowed:
-            index = _flat_index(vocab, [(i, rows[i].params.allowed_token_ids) for i in allowed],
+            index = _flat_index(vocab, [(i, self._allowed(rows[i])) for i in allowed],
                                 logits.device)
             kept = flat[index]
             logits[allowed] = float("-inf")
@@ -285,7 +296,7 @@ def _flat_keys(vocab: int, ids_by_row: List[Tuple[int, Sequence[int]]]) -> np.nd
     """Each (row, token) as row * vocab + token: its place in the flat view of the logits.
     Token ids were checked against the vocabulary when their request was added (bad words
     with ids past it left out): an id past it would land on the next row."""
-    parts = [row * vocab + np.asarray(ids, dtype=np.int64) for row, ids in ids_by_row if ids]
+    parts = [row * vocab + np.asarray(ids, dtype=np.int64) for row, ids in ids_by_row if len(ids)]
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
