@@ -551,10 +551,16 @@ def test_eos_stops_with_the_stop_reason_vllm_gives(eos_llm, llama_dir, tmp_path)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["eos_token"] = model.get_tokenizer().id_to_token(eos)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    primary = completion(LLM(str(folder), num_gpu_blocks_override=64, max_model_len=256),
-                         PROMPTS[2], temperature=0.0, max_tokens=10)
+    primary_llm = LLM(str(folder), num_gpu_blocks_override=64, max_model_len=256)
+    primary = completion(primary_llm, PROMPTS[2], temperature=0.0, max_tokens=10)
     assert (primary.token_ids, primary.finish_reason, primary.stop_reason) == ([eos], "stop",
                                                                                None)
+    # vLLM checks the EOS before stop_token_ids: listed there too, it still has no
+    # stop_reason, unless ignore_eos leaves the list alone to stop on it.
+    reasons = [completion(primary_llm, PROMPTS[2], temperature=0.0, max_tokens=10,
+                          stop_token_ids=[eos], ignore_eos=ignore).stop_reason
+               for ignore in (False, True)]
+    assert reasons == [None, eos]
 
 
 def test_min_tokens_holds_off_eos(eos_llm):

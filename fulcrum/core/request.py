@@ -174,8 +174,9 @@ class Request:
             self.stop_reason = None if last == self.eos_token_id else last
             return RequestStatus.FINISHED_STOPPED
         if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            # vLLM's order: the EOS first (no stop_reason), then stop_token_ids.
             self.stop_reason = None if last == self.eos_token_id and \
-                last not in self.sampling_params.stop_token_ids else last
+                not self.sampling_params.ignore_eos else last
             return RequestStatus.FINISHED_STOPPED
         if num_out >= self.max_tokens or len(tokens) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
