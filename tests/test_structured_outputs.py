@@ -474,6 +474,7 @@ def test_server_streams_a_constrained_answer(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "got 'yaml'"),
+    ({"response_format": {}}, "response_format", "got None"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
      "at most one output constraint per request; got guided_regex, guided_choice"),
     ({"structured_outputs": {"regex": "a", "frob": 1}}, "structured_outputs",

@@ -164,11 +164,13 @@ class SamplingRequest(RequestBody):
         """The output constraint from whichever of response_format, structured_outputs and
         guided_* the request set; ValueError if it set several or one is malformed."""
         given = {}
-        kind = (self.response_format or {}).get("type", "text")
+        # OpenAI's response_format must name its type ({} is a 400 there and in vLLM).
+        form = {"type": "text"} if self.response_format is None else self.response_format
+        kind = form.get("type")
         if kind == "json_object":
             given["response_format"] = {"json_object": True}
         elif kind == "json_schema":
-            spec = self.response_format.get("json_schema")
+            spec = form.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise ParamError("response_format", "response_format of type 'json_schema' "
                                  "needs json_schema.schema")
