@@ -61,12 +61,9 @@ def run_command(args: argparse.Namespace) -> int:
     one line and status 1."""
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, TypeError) as error:
+    except (ValueError, FileNotFoundError, TypeError, CommandError) as error:
         print(f"fulcrum {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except CommandError as error:
-        print(f"fulcrum {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(error, CommandError) else 2
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,6 +27,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.default_model import default_model_dir
 from fulcrum.generation_config import generation_config_folder, load_generation_defaults
 from fulcrum.executor import ExecutorError, make_executor
+from fulcrum.worker.memory import in_this_ram
 from fulcrum.worker.model_loader import check_weights_fit_in_ram, load_hf_config, resolve_dtype
 from fulcrum.models import model_class
 from fulcrum.models.sharding import Shard
@@ -106,8 +107,8 @@ class LLMEngine:
                                else resolve_dtype(config.kv_cache_dtype, hf_config))
         Shard(0, self.config.tensor_parallel_size, spec)  # refuses a split before any rank starts
         self.vocab_size = spec.vocab_size
-        if self.device.type == "cpu" and self.config.distributed_executor_backend in ("uni", "mp"):
-            check_weights_fit_in_ram(hf_config, self.dtype)  # every rank is on this machine
+        if in_this_ram(self.device.type, self.config.distributed_executor_backend):
+            check_weights_fit_in_ram(hf_config, self.dtype)
         self.executor = make_executor(WorkerConfig(
             self.config, model_dir, load_format, hf_config, self.dtype, self.kv_cache_dtype,
             self.device.type))

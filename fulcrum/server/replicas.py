@@ -169,12 +169,12 @@ def check_copies_fit(args: argparse.Namespace, count: int) -> None:
     copy against RAM the others have not taken yet (then the OOM killer ended some)."""
     from fulcrum.default_model import default_model_dir
     from fulcrum.engine import resolve_device
+    from fulcrum.worker.memory import in_this_ram
     from fulcrum.worker.model_loader import check_weights_fit_in_ram, load_hf_config, \
         resolve_dtype
 
-    if resolve_device(args.device).type != "cpu" or \
-            args.distributed_executor_backend in ("ray", "external_launcher"):
-        return  # ranks elsewhere than this machine's RAM
+    if not in_this_ram(resolve_device(args.device).type, args.distributed_executor_backend):
+        return
     hf_config = load_hf_config(args.model or default_model_dir())
     check_weights_fit_in_ram(hf_config, resolve_dtype(args.dtype, hf_config), count)
 

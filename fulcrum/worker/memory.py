@@ -20,6 +20,13 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 MEMINFO = Path("/proc/meminfo")
 
 
+def in_this_ram(device_type: str, backend: Optional[str]) -> bool:
+    """Whether a model's ranks hold their weights in this machine's RAM: on CPU, with every
+    rank a process here (one, or spawned: "uni", "mp", or None, which resolves to one of
+    them); Ray and external launchers place ranks elsewhere."""
+    return device_type == "cpu" and backend in (None, "uni", "mp")
+
+
 def available_cpu_memory() -> int:
     """Bytes of RAM this process may still take: the system's available memory, or less
     where a cgroup's memory limit leaves less; none (0) where a cgroup uses more than its
